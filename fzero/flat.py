@@ -1,0 +1,209 @@
+"""Pure tensor functions: parameters <-> flat padded buckets <-> per-rank shards.
+
+The equations every function here satisfies, for a layout ``L`` with ``N = L.world_size``:
+
+    flatten(p, L)[b]                    == cat(p[e].flatten() for e in bucket b) ++ zeros(padding)
+    shard(p, L, r)[b]                   == flatten(p, L)[b][r * s_b:(r + 1) * s_b]
+    cat(shard(p, L, r)[b] for r < N)    == flatten(p, L)[b]
+    unflatten(flatten(p, L), L)         == p          (views, no copies)
+    unshard([shard(p, L, r) for r < N]) == p          (bitwise)
+
+They work on any device, `meta` included, and copy each element once. Results of `flatten`,
+`shard` and `unshard` are new tensors outside autograd (the differentiable path is
+`fzero.collectives`' gather).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import einops
+import torch
+
+from fzero.layout import Bucket, ShardLayout, _check_rank, flatten_names
+
+__all__ = ["bucket_shards", "flatten", "shard", "unflatten", "unshard"]
+
+
+def flatten(params: Mapping[str, Any], layout: ShardLayout) -> tuple[torch.Tensor, ...]:
+    """One flat, zero-padded 1-D tensor per bucket: ``(padded_numel,)`` each.
+
+    Args:
+        params: names to tensors (nested mappings allowed), as planned; for tied parameters
+            any one name suffices.
+        layout: the layout from `plan`.
+
+    Raises:
+        ValueError: a parameter is missing or unknown, or its shape or dtype differs from
+            the layout.
+    """
+    tensors = _match(params, layout)
+    return tuple(
+        _concat(
+            [tensors[entry.name].reshape(-1) for entry in bucket.entries],
+            bucket.padding,
+            bucket,
+            device=_device(tensors),
+        )
+        for bucket in layout.buckets
+    )
+
+
+def unflatten(flats: Sequence[torch.Tensor], layout: ShardLayout) -> dict[str, torch.Tensor]:
+    """Views into the flat buckets with the original shapes; aliases map to the same tensor.
+
+    Raises:
+        ValueError: wrong number of buckets, or a flat tensor of the wrong length or dtype.
+    """
+    _check_buffers(flats, layout, "flats", lambda b: b.padded_numel)
+    params: dict[str, torch.Tensor] = {}
+    for flat, bucket in zip(flats, layout.buckets, strict=True):
+        for entry in bucket.entries:
+            view = flat[entry.offset : entry.end].view(entry.shape)
+            params.update(dict.fromkeys(entry.names, view))
+    return params
+
+
+def shard(params: Mapping[str, Any], layout: ShardLayout, rank: int) -> tuple[torch.Tensor, ...]:
+    """Rank `rank`'s shard of every bucket: ``(shard_numel,)`` each, padding zero.
+
+    Copies only the elements the rank holds, so sharding a large model never builds its flat
+    buffers.
+
+    Raises:
+        ValueError: `rank` out of range, or `params` do not match the layout.
+    """
+    _check_rank(rank, layout.world_size)
+    tensors = _match(params, layout)
+    device = _device(tensors)
+    out = []
+    for bucket in layout.buckets:
+        pieces = [
+            tensors[seg.entry.name].reshape(-1)[
+                seg.entry_start : seg.entry_start + seg.shard_end - seg.shard_start
+            ]
+            for seg in bucket.segments(rank)
+        ]
+        filled = sum(p.numel() for p in pieces)
+        out.append(_concat(pieces, bucket.shard_numel - filled, bucket, device=device))
+    return tuple(out)
+
+
+def unshard(
+    shards_by_rank: Sequence[Sequence[torch.Tensor]], layout: ShardLayout
+) -> dict[str, torch.Tensor]:
+    """Reassemble the parameters from every rank's shards; the inverse of `shard`.
+
+    Args:
+        shards_by_rank: ``shards_by_rank[r] == shard(params, layout, r)``.
+        layout: the layout.
+
+    Returns:
+        Names (aliases included) to tensors, views into freshly assembled flat buckets.
+
+    Raises:
+        ValueError: the wrong number of ranks or buckets, or a shard of the wrong length or
+            dtype (the message names the rank and bucket).
+    """
+    if len(shards_by_rank) != layout.world_size:
+        raise ValueError(
+            f"unshard needs one shard list per rank: expected {layout.world_size}, "
+            f"got {len(shards_by_rank)}"
+        )
+    for rank, shards in enumerate(shards_by_rank):
+        _check_buffers(shards, layout, f"shards of rank {rank}", lambda b: b.shard_numel)
+    flats = []
+    for index in range(len(layout.buckets)):
+        stacked = torch.stack([shards[index] for shards in shards_by_rank])  # (world, shard)
+        flats.append(einops.rearrange(stacked, "w s -> (w s)"))  # (world * shard,)
+    return unflatten(flats, layout)
+
+
+def bucket_shards(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    """A ``(world_size, shard_numel)`` view of a bucket's padded flat buffer; row r is rank r's."""
+    return einops.rearrange(flat, "(w s) -> w s", w=bucket.world_size)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _concat(
+    pieces: list[torch.Tensor], padding: int, bucket: Bucket, *, device: torch.device
+) -> torch.Tensor:
+    """``cat(pieces) ++ zeros(padding)`` into one new buffer of the bucket's dtype."""
+    out = torch.empty(
+        sum(p.numel() for p in pieces) + padding, dtype=bucket.torch_dtype, device=device
+    )
+    filled = out.numel() - padding
+    with torch.no_grad():  # data movement only: the result is a new tensor outside autograd
+        if pieces:
+            torch.cat(pieces, out=out[:filled])
+        out[filled:].zero_()
+    return out
+
+
+def _match(params: Mapping[str, Any], layout: ShardLayout) -> dict[str, torch.Tensor]:
+    """Check `params` against the layout; map each stored entry name to its tensor."""
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"params must be a mapping of names to tensors, got {type(params).__name__}"
+        )
+    given = flatten_names(params)
+    located = layout.locate()
+    unknown = sorted(set(given) - set(located))
+    if unknown:
+        raise ValueError(f"parameters not in the layout: {unknown}")
+    tensors: dict[str, torch.Tensor] = {}
+    for bucket in layout.buckets:
+        for entry in bucket.entries:
+            name = next((n for n in entry.names if n in given), None)
+            if name is None:
+                raise ValueError(
+                    f"parameter {entry.name!r} is missing (layout bucket {bucket.label!r})"
+                )
+            tensor = given[name]
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"parameter {name!r} is a {type(tensor).__name__}, expected a torch.Tensor"
+                )
+            if tuple(tensor.shape) != entry.shape or tensor.dtype != bucket.torch_dtype:
+                raise ValueError(
+                    f"parameter {name!r} has shape {tuple(tensor.shape)} and dtype "
+                    f"{tensor.dtype}; the layout expects {entry.shape} and {bucket.torch_dtype}"
+                )
+            tensors[entry.name] = tensor
+    return tensors
+
+
+def _device(tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        raise ValueError(
+            f"parameters are on several devices {sorted(map(str, devices))}; move them to one first"
+        )
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _check_buffers(buffers, layout: ShardLayout, what: str, expected_numel) -> None:
+    if len(buffers) != len(layout.buckets):
+        raise ValueError(
+            f"{what}: expected one tensor per bucket ({len(layout.buckets)}), got {len(buffers)}"
+        )
+    for index, (buffer, bucket) in enumerate(zip(buffers, layout.buckets, strict=True)):
+        numel = expected_numel(bucket)
+        if (
+            not isinstance(buffer, torch.Tensor)
+            or buffer.dim() != 1
+            or buffer.numel() != numel
+            or buffer.dtype != bucket.torch_dtype
+        ):
+            got = (
+                f"shape {tuple(buffer.shape)} dtype {buffer.dtype}"
+                if isinstance(buffer, torch.Tensor)
+                else type(buffer).__name__
+            )
+            raise ValueError(
+                f"{what}: bucket {index} ({bucket.label!r}) expects a 1-D {bucket.dtype} tensor "
+                f"of {numel} elements, got {got}"
+            )

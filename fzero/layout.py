@@ -1,0 +1,568 @@
+"""Planning a parameter pytree into padded, flat, rank-sharded buckets (pure: no tensor is touched).
+
+A `ShardLayout` is static metadata: which parameter lives in which bucket at which offset, how far
+each bucket is padded so that it splits evenly over `world_size` ranks, and a fingerprint that is
+the same on every rank and every run for the same model and world size.
+
+[Note: bucket arithmetic]
+A bucket holds `numel` elements; it is padded with zeros to `padded_numel`, the next multiple of
+`world_size`, and rank r owns elements [r * shard_numel, (r + 1) * shard_numel) of the padded flat
+buffer. Padding therefore adds fewer than `world_size` elements per bucket. All arithmetic is on
+Python ints, so buckets beyond 2**31 elements are exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = [
+    "DEFAULT_BUCKET_CAP",
+    "LAYOUT_FORMAT",
+    "LAYOUT_VERSION",
+    "Bucket",
+    "Entry",
+    "Segment",
+    "ShardLayout",
+    "flatten_names",
+    "plan",
+]
+
+LAYOUT_FORMAT = "fzero.ShardLayout"
+LAYOUT_VERSION = 1
+# Parameters outside any block are grouped in module order into buckets of at most this many
+# elements (a single larger parameter gets a bucket of its own).
+DEFAULT_BUCKET_CAP = 2**24
+
+_INDEX_COMPONENT = re.compile(r"^\d+$")
+
+BucketPolicy = None | int | type | Callable[[nn.Module], bool] | Sequence[Sequence[str]]
+TrainableMask = None | Mapping[str, bool] | Callable[[str], bool] | Collection[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One stored parameter inside a bucket.
+
+    Attributes:
+        name: the parameter's name (the first name under which it was seen).
+        shape: its shape.
+        dtype: its dtype name, e.g. ``"float32"`` (always the bucket's dtype).
+        offset: index of its first element in the bucket's flat buffer.
+        aliases: other names of the same tensor (tied weights), stored once.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> int:
+        """One past the index of its last element in the bucket's flat buffer."""
+        return self.offset + self.numel
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The name and every alias."""
+        return (self.name, *self.aliases)
+
+
+class Segment(NamedTuple):
+    """The part of one entry that falls inside one rank's shard.
+
+    ``shard[shard_start:shard_end] == entry.flatten()[entry_start:entry_start + length]``.
+    """
+
+    entry: Entry
+    entry_start: int
+    shard_start: int
+    shard_end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """An ordered group of parameters of one dtype and one trainability, flattened together.
+
+    Attributes:
+        label: a human-readable name (e.g. ``"blocks.0"``), for messages and reports.
+        entries: the stored parameters, in order, contiguous from offset 0.
+        dtype: dtype name of every entry, e.g. ``"bfloat16"``.
+        trainable: whether its parameters receive gradients and optimizer state.
+        world_size: the number of ranks it is sharded over.
+    """
+
+    label: str
+    entries: tuple[Entry, ...]
+    dtype: str
+    trainable: bool
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        """Elements stored, padding excluded."""
+        return self.entries[-1].end if self.entries else 0
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements in the flat buffer: `numel` rounded up to a multiple of `world_size`."""
+        return self.shard_numel * self.world_size
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements each rank holds."""
+        return -(-self.numel // self.world_size)
+
+    @property
+    def padding(self) -> int:
+        """Zero elements appended after the last entry (fewer than `world_size`)."""
+        return self.padded_numel - self.numel
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype as a `torch.dtype`."""
+        return _parse_dtype(self.dtype)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name stored in the bucket, aliases included, in entry order."""
+        return tuple(name for entry in self.entries for name in entry.names)
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """The half-open range of the padded flat buffer that `rank` holds."""
+        _check_rank(rank, self.world_size)
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def segments(self, rank: int) -> tuple[Segment, ...]:
+        """The pieces of entries that fall in `rank`'s shard, in order (padding excluded)."""
+        lo, hi = self.shard_range(rank)
+        pieces = []
+        for entry in self.entries:
+            start, end = max(entry.offset, lo), min(entry.end, hi)
+            if start < end:
+                pieces.append(Segment(entry, start - entry.offset, start - lo, end - lo))
+        return tuple(pieces)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """How a parameter pytree is split into buckets and sharded over `world_size` ranks.
+
+    Static, hashable metadata; build it with `plan`. Equal layouts have equal fingerprints on
+    every rank and every run.
+    """
+
+    buckets: tuple[Bucket, ...]
+    world_size: int
+    version: int = LAYOUT_VERSION
+
+    @property
+    def numel(self) -> int:
+        """Parameter elements stored (tied parameters once), padding excluded."""
+        return sum(bucket.numel for bucket in self.buckets)
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of all flat buffers, padding included."""
+        return sum(bucket.padded_numel for bucket in self.buckets)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements each rank holds over all buckets."""
+        return sum(bucket.shard_numel for bucket in self.buckets)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every parameter name, aliases included, in bucket order."""
+        return tuple(name for bucket in self.buckets for name in bucket.names)
+
+    @property
+    def trainable_numel(self) -> int:
+        """Elements of the trainable buckets, padding excluded."""
+        return sum(bucket.numel for bucket in self.buckets if bucket.trainable)
+
+    def locate(self) -> dict[str, tuple[int, Entry]]:
+        """Map every name (aliases included) to ``(bucket index, entry)``."""
+        return {
+            name: (index, entry)
+            for index, bucket in enumerate(self.buckets)
+            for entry in bucket.entries
+            for name in entry.names
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        """A stable 16-hex-digit hash of everything that defines the layout."""
+        return hashlib.sha256(self.to_json(indent=None).encode()).hexdigest()[:16]
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """Serialize to JSON text; `ShardLayout.from_json` is its exact inverse."""
+        doc = {
+            "format": LAYOUT_FORMAT,
+            "version": self.version,
+            "world_size": self.world_size,
+            "buckets": [
+                {
+                    "label": bucket.label,
+                    "dtype": bucket.dtype,
+                    "trainable": bucket.trainable,
+                    "entries": [
+                        [entry.name, list(entry.shape), entry.offset, list(entry.aliases)]
+                        for entry in bucket.entries
+                    ],
+                }
+                for bucket in self.buckets
+            ],
+        }
+        separators = (",", ":") if indent is None else None
+        return json.dumps(doc, indent=indent, separators=separators)
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardLayout:
+        """Parse the output of `to_json`, rejecting other formats and versions."""
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"layout JSON does not parse: {error}") from error
+        if not isinstance(doc, dict) or doc.get("format") != LAYOUT_FORMAT:
+            raise ValueError(
+                f"not an fzero layout: expected format={LAYOUT_FORMAT!r}, "
+                f"got {doc.get('format') if isinstance(doc, dict) else type(doc).__name__!r}"
+            )
+        if doc.get("version") != LAYOUT_VERSION:
+            raise ValueError(
+                f"layout version {doc.get('version')!r} is not supported by this fzero "
+                f"(it reads version {LAYOUT_VERSION}); re-plan the layout or upgrade fzero"
+            )
+        world_size = doc["world_size"]
+        buckets = []
+        for raw in doc["buckets"]:
+            dtype = raw["dtype"]
+            _parse_dtype(dtype)
+            entries = tuple(
+                Entry(name, tuple(shape), dtype, offset, tuple(aliases))
+                for name, shape, offset, aliases in raw["entries"]
+            )
+            buckets.append(Bucket(raw["label"], entries, dtype, raw["trainable"], world_size))
+        layout = cls(tuple(buckets), world_size)
+        _check_contiguous(layout)
+        return layout
+
+    def with_world_size(self, world_size: int) -> ShardLayout:
+        """The same buckets sharded over another number of ranks (for resharding)."""
+        _check_world_size(world_size)
+        buckets = tuple(dataclasses.replace(b, world_size=world_size) for b in self.buckets)
+        return ShardLayout(buckets, world_size, self.version)
+
+
+def plan(
+    params: Mapping[str, Any] | nn.Module,
+    world_size: int,
+    *,
+    buckets: BucketPolicy = None,
+    trainable: TrainableMask = None,
+    cap: int = DEFAULT_BUCKET_CAP,
+) -> ShardLayout:
+    """Plan how `params` are flattened into buckets and sharded over `world_size` ranks.
+
+    Pure: reads names, shapes, dtypes and `requires_grad` only, so `meta` tensors plan too.
+
+    Args:
+        params: an `nn.Module` (its parameters, tied ones once), or a mapping of names to
+            tensors, possibly nested (flattened to dotted names). The same tensor object under
+            two names is stored once, the later names as aliases.
+        world_size: number of ranks (>= 1).
+        buckets: the bucket policy. ``None``: one bucket per element of every list container
+            (a name component that is an integer, as `nn.ModuleList` and `nn.Sequential` make),
+            the other parameters grouped in order under `cap` elements. A module class or a
+            predicate ``fn(module) -> bool`` (needs a module): one bucket per outermost matching
+            submodule, the rest grouped under `cap`. An int: a size cap in elements. A list of
+            lists of names: exactly these groups, covering every parameter once.
+        trainable: which parameters train. ``None``: ``requires_grad``. Otherwise a mapping
+            name -> bool, a predicate ``fn(name) -> bool``, or a collection of trainable names.
+        cap: the size cap (elements) for grouped parameters under the default policies.
+
+    Returns:
+        The layout. Within a group, trainable and frozen parameters, and parameters of
+        different dtypes, go to separate buckets; buckets follow parameter order.
+
+    Raises:
+        TypeError: a leaf is not a tensor, or a policy has the wrong type.
+        ValueError: `world_size` < 1, a trainable parameter is not floating point, or an
+            explicit bucket list names unknown, repeated or missing parameters.
+    """
+    _check_world_size(world_size)
+    module = params if isinstance(params, nn.Module) else None
+    tensors = _named_tensors(params)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"cap must be a positive int of elements, got {cap=}")
+
+    # Tied parameters: the first name owns the storage, later names are aliases.
+    primary: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, tensor in tensors.items():
+        owner = primary.setdefault(id(tensor), name)
+        aliases.setdefault(owner, [])
+        if owner != name:
+            aliases[owner].append(name)
+    alias_of = {alias: owner for owner, names in aliases.items() for alias in names}
+    stored = list(aliases)
+
+    is_trainable = _trainable_predicate(trainable, tensors, alias_of)
+    for name in stored:
+        tensor = tensors[name]
+        if is_trainable(name) and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise ValueError(
+                f"parameter {name!r} is trainable but has dtype {tensor.dtype}; only floating "
+                f"point parameters can train (mark it frozen with requires_grad=False or "
+                f"trainable=...)"
+            )
+
+    groups = _group(stored, tensors, alias_of, buckets, module, cap)
+    out = []
+    for label, names in groups:
+        out.extend(_split_group(label, names, tensors, aliases, is_trainable, world_size))
+    return ShardLayout(tuple(out), world_size)
+
+
+def flatten_names(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten a nested mapping to dotted names: ``{"a": {"b": x}} -> {"a.b": x}``."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if not isinstance(key, str):
+            raise TypeError(f"parameter names must be str, got {key!r} under {prefix!r}")
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_names(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _named_tensors(params: Mapping[str, Any] | nn.Module) -> dict[str, torch.Tensor]:
+    if isinstance(params, nn.Module):
+        return dict(params.named_parameters(remove_duplicate=False))
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"params must be an nn.Module or a mapping of names to tensors, "
+            f"got {type(params).__name__}"
+        )
+    flat = flatten_names(params)
+    for name, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"parameter {name!r} is a {type(value).__name__}, expected a torch.Tensor"
+            )
+    return flat
+
+
+def _trainable_predicate(
+    trainable: TrainableMask, tensors: Mapping[str, torch.Tensor], alias_of: Mapping[str, str]
+) -> Callable[[str], bool]:
+    if trainable is None:
+        return lambda name: tensors[name].requires_grad
+    if callable(trainable):
+        return lambda name: bool(trainable(name))
+    if isinstance(trainable, Mapping):
+        unknown = sorted(set(trainable) - set(tensors))
+        if unknown:
+            raise ValueError(f"trainable= names unknown parameters: {unknown}")
+        # An alias may carry the flag for its tied owner.
+        flags = {alias_of.get(name, name): bool(flag) for name, flag in trainable.items()}
+        return lambda name: flags.get(name, False)
+    if isinstance(trainable, Collection) and not isinstance(trainable, str):
+        unknown = sorted(set(trainable) - set(tensors))
+        if unknown:
+            raise ValueError(f"trainable= names unknown parameters: {unknown}")
+        names = {alias_of.get(name, name) for name in trainable}
+        return lambda name: name in names
+    raise TypeError(
+        f"trainable must be None, a mapping, a predicate or a collection of names, "
+        f"got {type(trainable).__name__}"
+    )
+
+
+def _group(
+    stored: list[str],
+    tensors: Mapping[str, torch.Tensor],
+    alias_of: Mapping[str, str],
+    policy: BucketPolicy,
+    module: nn.Module | None,
+    cap: int,
+) -> list[tuple[str, list[str]]]:
+    """Split the stored names into labelled groups, in parameter order."""
+    if policy is None:
+        return _group_by_block(stored, tensors, _list_element_prefix, cap)
+    if isinstance(policy, bool):
+        raise TypeError(
+            f"buckets must be None, an int, a class, a predicate or lists, got {policy}"
+        )
+    if isinstance(policy, int):
+        if policy < 1:
+            raise ValueError(f"a bucket size cap must be >= 1 element, got buckets={policy}")
+        return _group_by_block(stored, tensors, lambda name: None, policy)
+    if isinstance(policy, type) or callable(policy):
+        if module is None:
+            raise TypeError(
+                "buckets= as a module class or predicate needs plan(model, ...) with the "
+                "nn.Module itself, not a mapping of its parameters"
+            )
+        matches = policy if not isinstance(policy, type) else (lambda m: isinstance(m, policy))
+        prefixes = _matching_prefixes(module, matches)
+        return _group_by_block(stored, tensors, lambda n: _longest_prefix(n, prefixes), cap)
+    if isinstance(policy, Sequence) and not isinstance(policy, str):
+        return _explicit_groups(stored, alias_of, policy)
+    raise TypeError(
+        f"buckets must be None, an int, a module class, a predicate or a list of lists of "
+        f"names, got {type(policy).__name__}"
+    )
+
+
+def _group_by_block(
+    stored: list[str],
+    tensors: Mapping[str, torch.Tensor],
+    block_of: Callable[[str], str | None],
+    cap: int,
+) -> list[tuple[str, list[str]]]:
+    """Consecutive parameters of one block form a group; the others fill groups up to `cap`."""
+    groups: list[tuple[str, list[str]]] = []
+    current_block: str | None = None
+    filled = 0
+    for name in stored:
+        block = block_of(name)
+        numel = tensors[name].numel()
+        if block is not None:
+            if not groups or current_block != block:
+                groups.append((block, []))
+            current_block = block
+        elif not groups or current_block is not None or (filled + numel > cap and filled > 0):
+            groups.append((name.rsplit(".", 1)[0] if "." in name else name, []))
+            current_block, filled = None, 0
+        groups[-1][1].append(name)
+        filled += numel
+    return groups
+
+
+def _list_element_prefix(name: str) -> str | None:
+    """``"h.3.attn.weight" -> "h.3"``: the shortest prefix ending in an integer component."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if _INDEX_COMPONENT.match(part):
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def _matching_prefixes(module: nn.Module, matches: Callable[[nn.Module], bool]) -> list[str]:
+    prefixes: list[str] = []
+    for name, sub in module.named_modules(remove_duplicate=False):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            continue  # nested inside an outer match: it belongs to that bucket
+        if matches(sub):
+            prefixes.append(name)
+    return prefixes
+
+
+def _longest_prefix(name: str, prefixes: Sequence[str]) -> str | None:
+    found = [p for p in prefixes if p == "" or name.startswith(p + ".")]
+    return max(found, key=len) if found else None
+
+
+def _explicit_groups(
+    stored: list[str], alias_of: Mapping[str, str], policy: Sequence[Sequence[str]]
+) -> list[tuple[str, list[str]]]:
+    known = set(stored) | set(alias_of)
+    seen: dict[str, int] = {}
+    groups = []
+    for index, group in enumerate(policy):
+        if isinstance(group, str) or not isinstance(group, Sequence):
+            raise TypeError(f"buckets[{index}] must be a list of names, got {group!r}")
+        names = []
+        for name in group:
+            if name not in known:
+                raise ValueError(f"buckets[{index}] names unknown parameter {name!r}")
+            owner = alias_of.get(name, name)
+            if owner in seen:
+                raise ValueError(
+                    f"parameter {name!r} is in buckets[{seen[owner]}] and buckets[{index}]"
+                )
+            seen[owner] = index
+            names.append(owner)
+        groups.append((f"bucket{index}", names))
+    missing = [name for name in stored if name not in seen]
+    if missing:
+        raise ValueError(f"buckets= lists no bucket for parameters {missing}")
+    return groups
+
+
+def _split_group(
+    label: str,
+    names: list[str],
+    tensors: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, list[str]],
+    is_trainable: Callable[[str], bool],
+    world_size: int,
+) -> Iterator[Bucket]:
+    """One bucket per (trainable, dtype) kind in the group, kinds in first-seen order."""
+    kinds: dict[tuple[bool, str], list[str]] = {}
+    for name in names:
+        kinds.setdefault((is_trainable(name), _dtype_name(tensors[name].dtype)), []).append(name)
+    for (train, dtype), members in kinds.items():
+        entries, offset = [], 0
+        for name in members:
+            shape = tuple(int(d) for d in tensors[name].shape)
+            entries.append(Entry(name, shape, dtype, offset, tuple(aliases[name])))
+            offset += math.prod(shape)
+        suffix = "" if len(kinds) == 1 else f"[{'trainable' if train else 'frozen'},{dtype}]"
+        yield Bucket(label + suffix, tuple(entries), dtype, train, world_size)
+
+
+def _check_contiguous(layout: ShardLayout) -> None:
+    names: set[str] = set()
+    for bucket in layout.buckets:
+        offset = 0
+        for entry in bucket.entries:
+            if entry.offset != offset or any(d < 0 for d in entry.shape):
+                raise ValueError(f"layout entry {entry.name!r} has an inconsistent offset/shape")
+            offset = entry.end
+            if names & set(entry.names):
+                raise ValueError(f"layout names parameter {entry.name!r} twice")
+            names.update(entry.names)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in layout")
+    return dtype
+
+
+def _check_world_size(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size=}")
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank=}")

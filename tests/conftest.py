@@ -1,0 +1,40 @@
+"""Shared pytest configuration: hypothesis profiles (`HYPOTHESIS_PROFILE=dev|ci`)."""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("dev", max_examples=50, deadline=None)
+settings.register_profile(
+    "ci",
+    max_examples=500,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+# ----------------------------------------------------------------------------------------------
+# gloo worker pools (tests/dist_pool.py), owned by fzero.comm's tests; usable by any test:
+#     def test_x(gloo_pool):
+#         results = gloo_pool(2).run(body, *args)   # body(comm, *args) on 2 gloo ranks
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gloo_pool():
+    """Factory `world_size -> GlooPool`: one long-lived pool per world size per session."""
+    from dist_pool import GlooPool
+
+    pools: dict[int, GlooPool] = {}
+
+    def get(world_size: int) -> GlooPool:
+        if world_size not in pools:
+            pools[world_size] = GlooPool(world_size)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()

@@ -1,0 +1,143 @@
+"""Pure tensor functions: flatten / unflatten / shard / unshard round trips and invariants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fzero
+
+from strategies import bitwise_equal, policies, trees, worlds_and_trees
+
+
+@st.composite
+def cases(draw):
+    world, spec = draw(worlds_and_trees())
+    params = spec.build()
+    return params, fzero.plan(params, world, buckets=draw(policies(spec)))
+
+
+def _all_equal(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert bitwise_equal(got[name], tensor), name
+
+
+@given(cases())
+def test_shard_unshard_round_trip_is_bitwise(case):
+    params, layout = case
+    shards = [fzero.shard(params, layout, r) for r in range(layout.world_size)]
+    _all_equal(fzero.unshard(shards, layout), params)
+
+
+@given(cases())
+def test_flatten_unflatten_round_trip_is_bitwise(case):
+    params, layout = case
+    _all_equal(fzero.unflatten(fzero.flatten(params, layout), layout), params)
+
+
+@given(cases())
+def test_shards_concatenate_to_the_zero_padded_flat_buffer(case):
+    params, layout = case
+    flats = fzero.flatten(params, layout)
+    world = layout.world_size
+    ranks = range(world) if world <= 64 else [0, 1, world // 2, world - 1]
+    shards = {r: fzero.shard(params, layout, r) for r in ranks}
+    for index, (flat, bucket) in enumerate(zip(flats, layout.buckets, strict=True)):
+        assert flat.shape == (bucket.padded_numel,) and flat.dtype == bucket.torch_dtype
+        assert not flat[bucket.numel :].any(), "padding is zero"
+        rows = fzero.bucket_shards(flat, bucket)  # (world, shard)
+        assert rows.shape == (world, bucket.shard_numel)
+        for r, rank_shards in shards.items():
+            assert rank_shards[index].shape == (bucket.shard_numel,)
+            assert bitwise_equal(rank_shards[index], rows[r])
+        if world <= 64:
+            assert bitwise_equal(torch.cat([shards[r][index] for r in ranks]), flat)
+
+
+@given(cases())
+def test_unflatten_returns_views_and_aliases_share_them(case):
+    params, layout = case
+    flats = fzero.flatten(params, layout)
+    views = fzero.unflatten(flats, layout)
+    for bucket, flat in zip(layout.buckets, flats, strict=True):
+        for entry in bucket.entries:
+            view = views[entry.name]
+            if view.numel():
+                assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            for alias in entry.aliases:
+                assert views[alias] is view
+
+
+@given(trees(max_size=20, allow_large=False), st.integers(1, 8))
+def test_meta_tensors_flatten_and_shard(spec, world):
+    params = {name: t.to("meta") for name, t in spec.build().items()}
+    layout = fzero.plan(params, world)
+    for flat, bucket in zip(fzero.flatten(params, layout), layout.buckets, strict=True):
+        assert flat.is_meta and flat.shape == (bucket.padded_numel,)
+    for index, bucket in enumerate(layout.buckets):
+        assert fzero.shard(params, layout, world - 1)[index].shape == (bucket.shard_numel,)
+
+
+def test_results_are_outside_autograd():
+    params = {"w": torch.randn(3, 4, requires_grad=True)}
+    layout = fzero.plan(params, 2)
+    assert not fzero.flatten(params, layout)[0].requires_grad
+    assert not fzero.shard(params, layout, 1)[0].requires_grad
+
+
+def test_most_ranks_hold_only_padding_at_large_world_size():
+    params = {"a": torch.arange(5.0)}
+    layout = fzero.plan(params, 1000)
+    assert layout.buckets[0].shard_numel == 1
+    assert fzero.shard(params, layout, 4)[0].tolist() == [4.0]
+    assert fzero.shard(params, layout, 999)[0].tolist() == [0.0]
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def simple():
+    params = {"a": torch.zeros(3, 2), "b": torch.ones(5)}
+    return params, fzero.plan(params, 2)
+
+
+def test_mismatched_params_are_named(simple):
+    params, layout = simple
+    with pytest.raises(ValueError, match="'b' is missing"):
+        fzero.flatten({"a": params["a"]}, layout)
+    with pytest.raises(ValueError, match="not in the layout: \\['c'\\]"):
+        fzero.flatten({**params, "c": torch.zeros(1)}, layout)
+    with pytest.raises(ValueError, match="'a' has shape \\(2, 3\\).*expects \\(3, 2\\)"):
+        fzero.shard({**params, "a": torch.zeros(2, 3)}, layout, 0)
+    with pytest.raises(ValueError, match="'b'.*float64.*torch.float32"):
+        fzero.shard({**params, "b": torch.ones(5, dtype=torch.float64)}, layout, 0)
+    with pytest.raises(TypeError, match="'b' is a list"):
+        fzero.flatten({**params, "b": [1.0]}, layout)
+
+
+def test_rank_out_of_range_is_rejected(simple):
+    params, layout = simple
+    with pytest.raises(ValueError, match="rank=2"):
+        fzero.shard(params, layout, 2)
+
+
+def test_wrong_shards_are_named(simple):
+    params, layout = simple
+    shards = [fzero.shard(params, layout, r) for r in range(2)]
+    with pytest.raises(ValueError, match="one shard list per rank: expected 2, got 1"):
+        fzero.unshard(shards[:1], layout)
+    with pytest.raises(ValueError, match="shards of rank 1: expected one tensor per bucket"):
+        fzero.unshard([shards[0], ()], layout)
+    bad = (torch.zeros(shards[1][0].numel() + 1),)
+    with pytest.raises(ValueError, match="shards of rank 1: bucket 0 .*expects .* of 6 elem"):
+        fzero.unshard([shards[0], bad], layout)
+
+
+def test_params_on_several_devices_are_rejected():
+    params = {"a": torch.zeros(2), "b": torch.zeros(2, device="meta")}
+    with pytest.raises(ValueError, match="several devices"):
+        fzero.flatten(params, fzero.plan(params, 1))

@@ -1,0 +1,297 @@
+"""Pure layout planning: rules, invariants, JSON and fingerprints, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import fzero
+from fzero.layout import ShardLayout
+
+from strategies import TreeSpec, policies, trees, world_sizes, worlds_and_trees
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 5, depth: int = 3, vocab: int = 11) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.final = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+
+@st.composite
+def planned(draw):
+    world, spec = draw(worlds_and_trees())
+    policy = draw(policies(spec))
+    return spec, world, policy, fzero.plan(spec.build(), world, buckets=policy)
+
+
+@given(planned())
+def test_every_parameter_is_stored_once_in_order(case):
+    spec, world, _, layout = case
+    stored = [n for n, t in zip(spec.names, spec.tied_to, strict=True) if t is None]
+    planned = [e.name for b in layout.buckets for e in b.entries]
+    assert sorted(planned) == sorted(stored) and len(planned) == len(set(planned))
+    for bucket in layout.buckets:  # kinds split a group, but each bucket keeps parameter order
+        order = [stored.index(e.name) for e in bucket.entries]
+        assert order == sorted(order)
+    assert sorted(layout.names) == sorted(spec.names)
+    owner = {
+        n: spec.names[t] if t is not None else n
+        for n, t in zip(spec.names, spec.tied_to, strict=True)
+    }
+    for name, (index, entry) in layout.locate().items():
+        assert entry.name == owner[name]
+        assert name in layout.buckets[index].names
+
+
+@given(planned())
+def test_bucket_invariants(case):
+    spec, world, _, layout = case
+    tensors = spec.build()
+    assert layout.world_size == world
+    for bucket in layout.buckets:
+        assert bucket.entries, "no empty buckets"
+        assert bucket.world_size == world
+        assert bucket.padded_numel % world == 0
+        assert 0 <= bucket.padding < world
+        assert bucket.padded_numel == bucket.shard_numel * world
+        offset = 0
+        for entry in bucket.entries:
+            tensor = tensors[entry.name]
+            assert entry.offset == offset
+            assert entry.shape == tuple(tensor.shape)
+            assert entry.dtype == bucket.dtype == str(tensor.dtype).removeprefix("torch.")
+            assert tensor.requires_grad == bucket.trainable
+            offset = entry.end
+        assert bucket.numel == offset
+        # The rank segments tile the unpadded elements exactly once.
+        covered = sum(
+            seg.shard_end - seg.shard_start
+            for r in range(min(world, 70))
+            for seg in bucket.segments(r)
+        )
+        if world <= 70:
+            assert covered == bucket.numel
+    assert layout.numel == sum(b.numel for b in layout.buckets)
+    assert layout.padded_numel - layout.numel < world * max(1, len(layout.buckets))
+
+
+@given(planned())
+def test_planning_is_deterministic_and_json_round_trips(case):
+    spec, world, policy, layout = case
+    again = fzero.plan(spec.build(), world, buckets=policy)
+    assert again == layout and hash(again) == hash(layout)
+    assert again.fingerprint == layout.fingerprint
+    restored = ShardLayout.from_json(layout.to_json())
+    assert restored == layout and restored.fingerprint == layout.fingerprint
+
+
+@given(trees(max_size=30), world_sizes, st.data())
+def test_fingerprint_changes_with_anything_that_defines_the_layout(spec, world, data):
+    base = fzero.plan(spec.build(), world)
+    tensors = spec.build()
+    name = data.draw(st.sampled_from(sorted(tensors)))
+    tensor = tensors[name]
+    variants = {
+        "world": fzero.plan(tensors, world + 1),
+        "name": fzero.plan({(k + "_x" if k == name else k): v for k, v in tensors.items()}, world),
+        "shape": fzero.plan(
+            {**tensors, name: torch.zeros(tensor.numel() + 1, dtype=tensor.dtype)}, world
+        ),
+        "dtype": fzero.plan(
+            {
+                **tensors,
+                name: tensor.detach().to(
+                    torch.float64 if tensor.dtype != torch.float64 else torch.float32
+                ),
+            },
+            world,
+        ),
+        "order": fzero.plan(dict(reversed(list(tensors.items()))), world),
+    }
+    for what, other in variants.items():
+        if what == "order" and [e.name for b in other.buckets for e in b.entries] == [
+            e.name for b in base.buckets for e in b.entries
+        ]:
+            continue  # one stored entry (or only aliases moved): reversing changes nothing
+        assert other.fingerprint != base.fingerprint, what
+
+
+def test_default_policy_buckets_each_list_element_and_ties_once():
+    layout = fzero.plan(Net(), 3)
+    assert [b.label for b in layout.buckets] == [
+        "embed",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "final",
+    ]
+    embed = layout.buckets[0].entries[0]
+    assert embed.name == "embed.weight" and embed.aliases == ("head.weight",)
+    assert layout.numel == 11 * 5 + 3 * (5 * 5 + 5 + 5 + 5) + 10
+
+
+def test_module_class_and_predicate_policies():
+    net = Net()
+    by_class = fzero.plan(net, 2, buckets=Block)
+    by_pred = fzero.plan(net, 2, buckets=lambda m: isinstance(m, Block))
+    assert by_class == by_pred
+    assert [b.label for b in by_class.buckets] == [
+        "embed",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "final",
+    ]
+    per_linear = fzero.plan(net, 2, buckets=nn.Linear)
+    assert [b.label for b in per_linear.buckets][:3] == ["embed", "blocks.0.attn", "blocks.0.norm"]
+
+
+def test_size_cap_groups_in_order():
+    params = {f"p{i}": torch.zeros(10) for i in range(7)}
+    layout = fzero.plan(params, 4, buckets=25)
+    assert [b.numel for b in layout.buckets] == [20, 20, 20, 10]
+    big = fzero.plan(
+        {"a": torch.zeros(3), "b": torch.zeros(100), "c": torch.zeros(3)}, 2, buckets=10
+    )
+    assert [b.numel for b in big.buckets] == [3, 100, 3]
+
+
+def test_frozen_and_dtype_never_share_a_bucket():
+    params = {
+        "a": torch.zeros(3, requires_grad=True),
+        "b": torch.zeros(3),
+        "c": torch.zeros(3, dtype=torch.bfloat16, requires_grad=True),
+        "d": torch.zeros(3, requires_grad=True),
+        "steps": torch.zeros(2, dtype=torch.int64),
+    }
+    layout = fzero.plan(params, 2, buckets=[list(params)])
+    kinds = [(b.trainable, b.dtype, [e.name for e in b.entries]) for b in layout.buckets]
+    assert kinds == [
+        (True, "float32", ["a", "d"]),
+        (False, "float32", ["b"]),
+        (True, "bfloat16", ["c"]),
+        (False, "int64", ["steps"]),
+    ]
+
+
+def test_trainable_mask_forms_agree():
+    net = Net()
+    wanted = {"blocks.1.attn.weight", "blocks.1.attn.bias"}
+    as_set = fzero.plan(net, 2, trainable=wanted)
+    as_pred = fzero.plan(net, 2, trainable=lambda n: n in wanted)
+    as_map = fzero.plan(net, 2, trainable={n: n in wanted for n, _ in net.named_parameters()})
+    assert as_set == as_pred == as_map
+    trained = {e.name for b in as_set.buckets if b.trainable for e in b.entries}
+    assert trained == wanted
+
+
+def test_alias_carries_the_trainable_flag_of_its_owner():
+    layout = fzero.plan(Net(), 2, trainable={"head.weight"})
+    assert [b.trainable for b in layout.buckets if "embed.weight" in b.names] == [True]
+
+
+def test_numel_beyond_int32_is_exact():
+    with torch.device("meta"):
+        params = {"huge": torch.empty(3, 2**31 + 7), "tail": torch.empty(5)}
+    layout = fzero.plan(params, 1000, buckets=[["huge", "tail"]])
+    bucket = layout.buckets[0]
+    assert bucket.numel == 3 * (2**31 + 7) + 5
+    assert bucket.padded_numel % 1000 == 0 and bucket.padding < 1000
+    assert bucket.segments(999)[-1].entry.name == "tail"
+
+
+def test_meta_model_plans_like_a_real_one():
+    with torch.device("meta"):
+        meta = Net()
+    assert fzero.plan(meta, 4) == fzero.plan(Net(), 4)
+
+
+def test_with_world_size_keeps_buckets():
+    layout = fzero.plan(Net(), 3)
+    other = layout.with_world_size(4)
+    assert other == fzero.plan(Net(), 4)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [0, -1, 1.5, True])
+def test_world_size_must_be_positive_int(world):
+    with pytest.raises(ValueError, match="world_size"):
+        fzero.plan({"a": torch.zeros(2)}, world)
+
+
+def test_non_tensor_leaf_is_named():
+    with pytest.raises(TypeError, match="'blocks.w'.*list"):
+        fzero.plan({"blocks": {"w": [1.0, 2.0]}}, 2)
+
+
+def test_trainable_integer_parameter_is_named():
+    with pytest.raises(ValueError, match="'count'.*int64"):
+        fzero.plan({"count": torch.zeros(2, dtype=torch.int64)}, 2, trainable={"count"})
+
+
+def test_explicit_buckets_must_cover_every_parameter_once():
+    params = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    with pytest.raises(ValueError, match="no bucket for parameters \\['b'\\]"):
+        fzero.plan(params, 2, buckets=[["a"]])
+    with pytest.raises(ValueError, match="'a' is in buckets\\[0\\] and buckets\\[1\\]"):
+        fzero.plan(params, 2, buckets=[["a", "b"], ["a"]])
+    with pytest.raises(ValueError, match="unknown parameter 'zz'"):
+        fzero.plan(params, 2, buckets=[["a", "b", "zz"]])
+
+
+def test_module_policy_needs_a_module():
+    with pytest.raises(TypeError, match="plan\\(model"):
+        fzero.plan({"a": torch.zeros(2)}, 2, buckets=nn.Linear)
+
+
+def test_unknown_trainable_names_are_reported():
+    with pytest.raises(ValueError, match="unknown parameters: \\['nope'\\]"):
+        fzero.plan({"a": torch.zeros(2)}, 2, trainable={"nope"})
+
+
+def test_json_from_another_version_or_format_is_rejected():
+    text = fzero.plan({"a": torch.zeros(2)}, 2).to_json()
+    with pytest.raises(ValueError, match="version 99 is not supported"):
+        ShardLayout.from_json(text.replace('"version": 1', '"version": 99'))
+    with pytest.raises(ValueError, match="not an fzero layout"):
+        ShardLayout.from_json('{"format": "something else"}')
+    with pytest.raises(ValueError, match="does not parse"):
+        ShardLayout.from_json("{")
+
+
+def test_rank_out_of_range():
+    bucket = fzero.plan({"a": torch.zeros(5)}, 2).buckets[0]
+    with pytest.raises(ValueError, match="rank must be an int in \\[0, 2\\)"):
+        bucket.segments(2)
+
+
+def test_layout_is_frozen():
+    layout = fzero.plan({"a": torch.zeros(5)}, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.world_size = 3  # type: ignore[misc]
+
+
+def test_tree_spec_builds_aliases_as_the_same_tensor():
+    spec = TreeSpec(
+        ("a", "b"), ((2,), (2,)), (torch.float32, torch.float32), (True, True), (None, 0), seed=0
+    )
+    tensors = spec.build()
+    assert tensors["a"] is tensors["b"]
