@@ -1,0 +1,402 @@
+"""N simulated ranks in one process: `SimWorld(n).run(fn, *args)` and its `SimComm`.
+
+Each rank runs `fn(comm, *args, **kwargs)` in its own thread (torch kernels release the GIL) with
+a `SimComm`, which implements the `fzero.comm.Comm` protocol in memory. It inherits validation
+and byte accounting from `CommBase`, so counters and error messages are those of `TorchComm`.
+
+[Note: SimWorld semantics]
+- Matching: every rank numbers its collectives 0, 1, 2, ...; the collectives with the same number
+  must agree on kind, sizes, dtype, op and src, else every rank fails with an error naming both
+  calls.
+- Numerics: reductions add the ranks' tensors in rank order, in the tensors' dtype; "avg" is that
+  sum divided by N. At 2 ranks this is bitwise what gloo computes (gloo's AVG is also sum then
+  divide); at 3+ ranks gloo sums each chunk in ring order, so results agree within rounding.
+- Results are computed into fresh tensors, then copied into each rank's own output: no aliasing
+  between ranks, and outputs may alias inputs.
+- `async_op=True` really is asynchronous: each rank has a one-thread executor running its
+  collectives in issue order; `wait()` blocks on it. Synchronous calls go through the same
+  executor, so they are ordered after pending async ones as in torch.distributed.
+- Failure: the first exception on any rank aborts the world; collectives pending on the other
+  ranks raise at once, and `run` raises `SimWorldError` naming the failing rank, chained to the
+  original. A collective that a rank finished without joining fails at once; one that a live rank
+  does not join within `timeout` seconds fails naming the collective and the missing ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fzero.comm import CommBase, Work
+
+__all__ = ["SimComm", "SimWorld", "SimWorldError"]
+
+
+class SimWorldError(RuntimeError):
+    """A rank of a `SimWorld.run` failed; `__cause__` is its original exception.
+
+    Attributes:
+        rank: The failing rank (the lowest one among ranks that failed on their own, rather than
+            because another rank's failure aborted the world).
+    """
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class _Aborted(RuntimeError):
+    """A collective released because another rank failed (a secondary failure)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One rank's side of one collective."""
+
+    kind: str
+    op: str | None
+    src: int | None
+    dtype: torch.dtype | None
+    in_numel: int
+    out_numel: int
+    input: Tensor | None
+    output: Tensor | None
+
+    def signature(self) -> tuple[object, ...]:
+        return (self.kind, self.op, self.src, self.dtype, self.in_numel, self.out_numel)
+
+    def describe(self) -> str:
+        parts = [f"input numel={self.in_numel}", f"output numel={self.out_numel}"]
+        if self.dtype is not None:
+            parts.append(f"dtype={self.dtype}")
+        if self.op is not None:
+            parts.append(f"op={self.op!r}")
+        if self.src is not None:
+            parts.append(f"src={self.src}")
+        return f"{self.kind}({', '.join(parts)})"
+
+
+class _Slot:
+    """The meeting point of collective number `seq`."""
+
+    __slots__ = ("calls", "arrived", "done", "error")
+
+    def __init__(self, n: int) -> None:
+        self.calls: list[_Call | None] = [None] * n
+        self.arrived = 0
+        self.done = False
+        self.error: BaseException | None = None
+
+
+def _compute(calls: list[_Call]) -> None:
+    """Carry out one matched collective: read every input, then write every output."""
+    kind, n = calls[0].kind, len(calls)
+    if kind == "barrier":
+        return
+    if kind == "all_gather":
+        full = torch.cat([c.input for c in calls])  # (n * s,), a fresh tensor
+    elif kind == "broadcast":
+        full = calls[calls[0].src].input.clone()
+    else:  # reduce_scatter, all_reduce: reduce the whole inputs in rank order
+        op = calls[0].op
+        full = calls[0].input.clone()
+        for c in calls[1:]:
+            if op in ("sum", "avg"):
+                full.add_(c.input)
+            elif op == "max":
+                torch.maximum(full, c.input, out=full)
+            else:
+                torch.minimum(full, c.input, out=full)
+        if op == "avg":
+            full.div_(n)
+    if kind == "reduce_scatter":
+        s = calls[0].out_numel
+        for r, c in enumerate(calls):
+            c.output.copy_(full[r * s : (r + 1) * s])
+    else:
+        for c in calls:
+            c.output.copy_(full)
+
+
+class _World:
+    """State shared by the ranks of one `SimWorld.run`."""
+
+    def __init__(self, n: int, timeout: float) -> None:
+        self.n = n
+        self.timeout = timeout
+        self.cond = threading.Condition()
+        self.slots: dict[int, _Slot] = {}
+        self.finished: set[int] = set()
+        self.failed_rank: int | None = None
+
+    def fail(self, rank: int) -> None:
+        with self.cond:
+            if self.failed_rank is None:
+                self.failed_rank = rank
+            self.cond.notify_all()
+
+    def finish(self, rank: int) -> None:
+        with self.cond:
+            self.finished.add(rank)
+            self.cond.notify_all()
+
+    def _aborted(self, rank: int, seq: int, call: _Call) -> _Aborted:
+        return _Aborted(
+            f"{call.kind} #{seq} on rank {rank} aborted: rank {self.failed_rank} failed"
+        )
+
+    def collective(self, rank: int, seq: int, call: _Call) -> None:
+        with self.cond:
+            if self.failed_rank is not None:
+                raise self._aborted(rank, seq, call)
+            slot = self.slots.setdefault(seq, _Slot(self.n))
+            for q, other in enumerate(slot.calls):
+                if other is not None and other.signature() != call.signature():
+                    raise ValueError(
+                        f"collective #{seq} differs across ranks: rank {q} called "
+                        f"{other.describe()} but rank {rank} called {call.describe()}"
+                    )
+            slot.calls[rank] = call
+            slot.arrived += 1
+            last = slot.arrived == self.n
+            if last:
+                del self.slots[seq]
+            else:
+                self._wait(rank, seq, call, slot)
+        if last:
+            self._complete(slot)
+        if slot.error is not None:
+            raise RuntimeError(f"{call.kind} #{seq} failed on rank {rank}") from slot.error
+
+    def _complete(self, slot: _Slot) -> None:
+        try:
+            _compute(slot.calls)  # outside the lock: other slots may progress meanwhile
+        except BaseException as exc:  # handed to every rank of the slot
+            slot.error = exc
+        with self.cond:
+            slot.done = True
+            self.cond.notify_all()
+
+    def _wait(self, rank: int, seq: int, call: _Call, slot: _Slot) -> None:
+        """Wait (holding `cond`) until `slot` completes, the world fails, or time runs out."""
+        deadline = time.monotonic() + self.timeout
+        while not slot.done:
+            if self.failed_rank is not None:
+                raise self._aborted(rank, seq, call)
+            if slot.arrived < self.n:
+                missing = [q for q, c in enumerate(slot.calls) if c is None]
+                gone = [q for q in missing if q in self.finished]
+                if gone:
+                    raise RuntimeError(
+                        f"{call.describe()} #{seq} on rank {rank}: rank(s) {gone} finished "
+                        f"without joining it (ranks missing: {missing})"
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"{call.describe()} #{seq} on rank {rank} timed out after "
+                        f"{self.timeout} s: rank(s) {missing} never joined it"
+                    )
+                self.cond.wait(remaining)
+            else:  # everyone is here; the last rank is computing
+                self.cond.wait()
+
+
+class _SimWork:
+    """`Work` handle of an asynchronous `SimComm` collective."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future[None]) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class SimComm(CommBase):
+    """In-memory `Comm` for one rank of a `SimWorld` (made by `SimWorld.run`).
+
+    Attributes:
+        rank: This rank.
+        world_size: Number of simulated ranks.
+        counters: Bytes and calls issued by this rank (same accounting as `TorchComm`).
+        device: Always CPU (the device `fingerprint_check` and friends allocate on).
+    """
+
+    def __init__(self, world: _World, rank: int) -> None:
+        super().__init__(rank, world.n)
+        self.device = torch.device("cpu")
+        self._world = world
+        self._seq = 0
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"simworld-rank{rank}-comm")
+        self._unwaited: list[BaseException] = []  # failures only: empty on the happy path
+
+    def _submit(self, call: _Call, async_op: bool) -> Work | None:
+        seq, self._seq = self._seq, self._seq + 1
+        future = self._executor.submit(self._world.collective, self.rank, seq, call)
+        if async_op:
+            future.add_done_callback(self._note_failure)
+            return _SimWork(future)
+        future.result()
+        return None
+
+    def _note_failure(self, future: Future[None]) -> None:
+        exc = future.exception()
+        if exc is not None:
+            self._unwaited.append(exc)
+
+    def _drain(self) -> BaseException | None:
+        """Let pending collectives finish; return the first failure among them, if any."""
+        self._executor.shutdown(wait=True)
+        return self._unwaited[0] if self._unwaited else None
+
+    def _all_gather(self, output: Tensor, input: Tensor, async_op: bool) -> Work | None:
+        call = _Call(
+            "all_gather", None, None, input.dtype, input.numel(), output.numel(), input, output
+        )
+        return self._submit(call, async_op)
+
+    def _reduce_scatter(
+        self, output: Tensor, input: Tensor, op: str, async_op: bool
+    ) -> Work | None:
+        call = _Call(
+            "reduce_scatter", op, None, input.dtype, input.numel(), output.numel(), input, output
+        )
+        return self._submit(call, async_op)
+
+    def _all_reduce(self, tensor: Tensor, op: str, async_op: bool) -> Work | None:
+        n = tensor.numel()
+        return self._submit(
+            _Call("all_reduce", op, None, tensor.dtype, n, n, tensor, tensor), async_op
+        )
+
+    def _broadcast(self, tensor: Tensor, src: int, async_op: bool) -> Work | None:
+        n = tensor.numel()
+        return self._submit(
+            _Call("broadcast", None, src, tensor.dtype, n, n, tensor, tensor), async_op
+        )
+
+    def barrier(self) -> None:
+        """Block until every simulated rank has called `barrier`."""
+        self._submit(_Call("barrier", None, None, None, 0, 0, None, None), async_op=False)
+
+
+class SimWorld:
+    """Run a per-rank function on `n` simulated ranks in threads of this process.
+
+    Args:
+        n: Number of ranks (world size), at least 1.
+        timeout: Seconds a collective waits for a live rank that has not joined it.
+        copy_args: Give each rank its own `copy.deepcopy` of `args` and `kwargs`, as separate
+            processes would have (a module is then not shared between threads). Set False to
+            share them (e.g. for non-leaf tensors, which cannot be deep-copied).
+
+    Raises:
+        ValueError: If `n < 1` or `timeout <= 0`.
+
+    Example:
+        >>> def body(comm, x):
+        ...     out = torch.empty(comm.world_size * x.numel())
+        ...     comm.all_gather(out, x + comm.rank)
+        ...     return out
+        >>> SimWorld(2).run(body, torch.zeros(1))
+        [tensor([0., 1.]), tensor([0., 1.])]
+    """
+
+    def __init__(self, n: int, *, timeout: float = 30.0, copy_args: bool = True) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"SimWorld needs n >= 1 ranks, got {n=!r}")
+        if not timeout > 0:
+            raise ValueError(f"SimWorld needs timeout > 0 seconds, got {timeout=!r}")
+        self.n = n
+        self.timeout = float(timeout)
+        self.copy_args = copy_args
+
+    def __repr__(self) -> str:
+        return f"SimWorld({self.n}, timeout={self.timeout})"
+
+    def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run `fn(comm, *args, **kwargs)` once per rank, concurrently; results in rank order.
+
+        Args:
+            fn: The per-rank body; `comm` is that rank's `SimComm`.
+            *args: Positional arguments for `fn` (deep-copied per rank if `copy_args`).
+            **kwargs: Keyword arguments for `fn` (deep-copied per rank if `copy_args`).
+
+        Returns:
+            `[fn's result on rank 0, ..., on rank n-1]`.
+
+        Raises:
+            SimWorldError: If any rank raised (or a collective mismatched or timed out), naming
+                the rank, with the original exception as `__cause__`.
+            TypeError: If `copy_args` and the arguments cannot be deep-copied.
+        """
+        n = self.n
+        if self.copy_args:
+            try:
+                per_rank = [copy.deepcopy((args, kwargs)) for _ in range(n)]
+            except Exception as exc:
+                raise TypeError(
+                    f"SimWorld.run could not deep-copy the arguments of {fn!r} for each rank "
+                    f"({exc}); pass copies that can be, or use SimWorld(..., copy_args=False)"
+                ) from exc
+        else:
+            per_rank = [(args, kwargs)] * n
+        world = _World(n, self.timeout)
+        comms = [SimComm(world, r) for r in range(n)]
+        results: list[Any] = [None] * n
+        errors: list[BaseException | None] = [None] * n
+
+        def rank_main(r: int) -> None:
+            a, kw = per_rank[r]
+            try:
+                try:
+                    results[r] = fn(comms[r], *a, **kw)
+                except BaseException as exc:  # reported by run()
+                    errors[r] = exc
+                    world.fail(r)
+                    comms[r]._drain()
+                    return
+                pending = comms[r]._drain()
+                if pending is not None:  # an async collective failed and was never waited on
+                    errors[r] = pending
+                    world.fail(r)
+            finally:
+                world.finish(r)
+
+        threads = [
+            threading.Thread(target=rank_main, args=(r,), name=f"simworld-rank{r}", daemon=True)
+            for r in range(n)
+        ]
+        for t in threads:
+            t.start()
+        with world.cond:
+            while len(world.finished) < n and world.failed_rank is None:
+                world.cond.wait()
+        # After a failure, collectives abort at once; a rank busy outside the comm gets a grace.
+        grace = time.monotonic() + self.timeout
+        for t in threads:
+            t.join(max(0.0, grace - time.monotonic()) if world.failed_rank is not None else None)
+        failed = [r for r in range(n) if errors[r] is not None]
+        if not failed:
+            return results
+        primary = [r for r in failed if not isinstance(errors[r], _Aborted)] or failed
+        r = primary[0]
+        exc = errors[r]
+        raise SimWorldError(
+            f"rank {r} of {n} failed in {getattr(fn, '__qualname__', fn)!s}: "
+            f"{type(exc).__name__}: {exc}",
+            r,
+        ) from exc

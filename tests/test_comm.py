@@ -1,0 +1,727 @@
+"""Tests of fzero.comm and fzero.simworld, cheapest first: pure -> SimWorld -> gloo -> CUDA."""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from fzero import comm as fcomm
+from fzero.comm import (
+    COLLECTIVES,
+    Comm,
+    CommCounters,
+    LaunchEnv,
+    TorchComm,
+    destroy_distributed,
+    distributed,
+    init_distributed,
+    parse_launch_env,
+    ring_bytes,
+)
+from fzero.simworld import SimWorld, SimWorldError
+
+import comm_bodies as cb
+from dist_pool import WorkerError
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+WORLD_SIZES = list(range(1, 9))
+SHARD = 37  # per-rank elements (odd on purpose)
+
+
+def exact(actual: Tensor, expected: Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Local references: each collective's single-process equation, reductions in rank order
+
+
+def ref_reduce(inputs: list[Tensor], op: str) -> Tensor:
+    acc = inputs[0].clone()
+    for x in inputs[1:]:
+        if op in ("sum", "avg"):
+            acc = acc + x
+        elif op == "max":
+            acc = torch.maximum(acc, x)
+        else:
+            acc = torch.minimum(acc, x)
+    return acc / len(inputs) if op == "avg" else acc
+
+
+def ref_reduce_scatter(inputs: list[Tensor], op: str, rank: int) -> Tensor:
+    s = inputs[0].numel() // len(inputs)
+    return ref_reduce(inputs, op)[rank * s : (rank + 1) * s]
+
+
+def order_tolerance(inputs: list[Tensor], op: str) -> float:
+    """Bound on the difference between two summation orders (gloo sums in ring order)."""
+    n = len(inputs)
+    biggest = max(float(x.abs().max()) for x in inputs)
+    atol = n * n * torch.finfo(inputs[0].dtype).eps * biggest
+    return atol / n if op == "avg" else atol
+
+
+def expected_counters(n: int, numel: int, itemsize: int) -> dict[str, dict[str, int]]:
+    """Counters of `every_collective_body` with per-rank inputs of `numel` elements."""
+    per_rank = (n - 1) * numel * itemsize  # (N-1)/N * (N * numel) * b
+    return {
+        "bytes": {
+            "all_gather": per_rank,
+            "reduce_scatter": 2 * (n - 1) * (numel // n) * itemsize,
+            "all_reduce": 4 * (2 * numel * itemsize * (n - 1) // n),
+            "broadcast": numel * itemsize * (n - 1) // n,
+        },
+        "calls": {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 4, "broadcast": 1},
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Tier 0: pure functions
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 64])
+def test_ring_bytes_matches_formula(n: int) -> None:
+    p, b = 12 * n, 2  # P a multiple of N: exact
+    assert ring_bytes("all_gather", p, b, n) * n == (n - 1) * p * b
+    assert ring_bytes("reduce_scatter", p, b, n) * n == (n - 1) * p * b
+    assert ring_bytes("broadcast", p, b, n) * n == (n - 1) * p * b
+    assert ring_bytes("all_reduce", p, b, n) * n == 2 * (n - 1) * p * b
+
+
+def test_ring_bytes_rounds_down_and_validates() -> None:
+    assert ring_bytes("all_gather", 5, 4, 3) == 13  # 5*4*2/3 = 13.33
+    assert ring_bytes("all_reduce", 5, 4, 3) == 26  # 2*5*4*2/3 = 26.67
+    assert ring_bytes("all_gather", 5, 4, 1) == 0
+    with pytest.raises(ValueError, match="unknown collective kind 'gather'"):
+        ring_bytes("gather", 1, 1, 2)
+    with pytest.raises(ValueError, match="world_size=0"):
+        ring_bytes("all_gather", 1, 1, 0)
+
+
+def test_counters_record_snapshot_reset() -> None:
+    c = CommCounters()
+    assert c.total() == 0 and set(c.snapshot()["bytes"]) == set(COLLECTIVES)
+    c.record("all_gather", 10)
+    c.record("all_reduce", 5)
+    c.record("all_gather", 1)
+    snap = c.snapshot()
+    assert snap["bytes"]["all_gather"] == 11 and snap["calls"]["all_gather"] == 2
+    assert c.total() == 16
+    c.reset()
+    assert c.total() == 0 and c.calls["all_reduce"] == 0
+    assert snap["bytes"]["all_gather"] == 11  # a snapshot is a copy
+
+
+def test_single_tensor_collectives_resolve_to_new_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    if hasattr(dist, "all_gather_single"):
+        ops = fcomm._single_tensor_collectives()
+        assert ops.all_gather is dist.all_gather_single
+        assert ops.reduce_scatter is dist.reduce_scatter_single
+        monkeypatch.delattr(dist, "all_gather_single")
+        monkeypatch.delattr(dist, "reduce_scatter_single")
+    ops = fcomm._single_tensor_collectives()  # torch < 2.13
+    assert ops.all_gather is dist.all_gather_into_tensor
+    assert ops.reduce_scatter is dist.reduce_scatter_tensor
+
+
+TORCHRUN = {
+    "RANK": "3",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "1",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+}
+SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "MASTER_PORT": "29400"}
+
+
+def test_parse_launch_env_torchrun_wins_over_slurm() -> None:
+    env = parse_launch_env({**SLURM, **TORCHRUN})
+    assert env == LaunchEnv("torchrun", 3, 8, 1, "10.0.0.1", 29500)
+
+
+def test_parse_launch_env_none() -> None:
+    assert parse_launch_env({"PATH": "/bin"}) == LaunchEnv("none", 0, 1, 0, None, None)
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "host"),
+    [
+        ("gpu[03-05,9],cpu1", "gpu03"),
+        ("node7", "node7"),
+        ("a[1-2]-ib,b", "a1-ib"),
+        ("rack[2-3]-n[01-04]", "rack2-n01"),
+    ],
+)
+def test_parse_launch_env_slurm_derives_master_addr(nodelist: str, host: str) -> None:
+    env = parse_launch_env({**SLURM, "SLURM_JOB_NODELIST": nodelist})
+    assert env == LaunchEnv("slurm", 5, 8, 1, host, 29400)
+    given_addr = parse_launch_env({**SLURM, "SLURM_NODELIST": nodelist, "MASTER_ADDR": "h0"})
+    assert given_addr.master_addr == "h0"
+
+
+def test_parse_launch_env_slurm_single_task_needs_no_rendezvous() -> None:
+    env = parse_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"})
+    assert env == LaunchEnv("slurm", 0, 1, 0, None, None)
+
+
+@pytest.mark.parametrize("missing", sorted(TORCHRUN))
+def test_parse_launch_env_names_missing_torchrun_variable(missing: str) -> None:
+    environ = {k: v for k, v in TORCHRUN.items() if k != missing}
+    if missing in ("RANK", "WORLD_SIZE"):
+        environ["SLURM_PROCID"] = "0"  # the other of the two still selects torchrun
+    with pytest.raises(ValueError, match=f"torchrun launch detected but .*{missing} is not set"):
+        parse_launch_env(environ)
+
+
+@pytest.mark.parametrize("missing", ["SLURM_NTASKS", "SLURM_LOCALID", "MASTER_PORT"])
+def test_parse_launch_env_names_missing_slurm_variable(missing: str) -> None:
+    environ = {k: v for k, v in SLURM.items() if k != missing}
+    environ["SLURM_NODELIST"] = "n1"
+    with pytest.raises(ValueError, match=f"slurm launch detected but .*{missing} is not set"):
+        parse_launch_env(environ)
+
+
+def test_parse_launch_env_slurm_without_address() -> None:
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        parse_launch_env(SLURM)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"RANK": "x"}, r"RANK='x' is not an integer"),
+        ({"RANK": "8"}, r"rank=8, world_size=8"),
+        ({"WORLD_SIZE": "0"}, r"world_size=0"),
+        ({"LOCAL_RANK": "-1"}, r"local_rank=-1"),
+        ({"MASTER_PORT": "70000"}, r"MASTER_PORT=70000"),
+    ],
+)
+def test_parse_launch_env_rejects_bad_values(change: dict[str, str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_launch_env({**TORCHRUN, **change})
+
+
+def test_fingerprint_int64() -> None:
+    assert fcomm._fingerprint_int64(-5) == -5
+    h = fcomm._fingerprint_int64("abc")
+    assert h == fcomm._fingerprint_int64("abc") != fcomm._fingerprint_int64("abd")
+    assert -(2**63) <= fcomm._fingerprint_int64(2**70) < 2**63
+
+
+def test_torch_comm_needs_a_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="init_distributed"):
+        TorchComm()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tier 1: SimWorld
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_sim_all_gather(n: int, dtype: torch.dtype) -> None:
+    inputs = cb.make_inputs(n, SHARD, dtype)
+    for out in SimWorld(n).run(cb.all_gather_body, inputs):
+        exact(out, torch.cat(inputs))
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_sim_reduce_scatter(n: int, dtype: torch.dtype, op: str) -> None:
+    inputs = cb.make_inputs(n, n * SHARD, dtype)
+    for r, out in enumerate(SimWorld(n).run(cb.reduce_scatter_body, inputs, op)):
+        exact(out, ref_reduce_scatter(inputs, op, r))
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_sim_all_reduce(n: int, dtype: torch.dtype, op: str) -> None:
+    inputs = cb.make_inputs(n, SHARD, dtype)
+    for out in SimWorld(n).run(cb.all_reduce_body, inputs, op):
+        exact(out, ref_reduce(inputs, op))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_sim_broadcast(n: int, dtype: torch.dtype) -> None:
+    inputs = cb.make_inputs(n, SHARD, dtype)
+    src = n // 2
+    for out in SimWorld(n).run(cb.broadcast_body, inputs, src):
+        exact(out, inputs[src])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_sim_counters_follow_ring_formula(n: int, dtype: torch.dtype) -> None:
+    numel = n * SHARD
+    results = SimWorld(n).run(cb.every_collective_body, cb.make_inputs(n, numel, dtype))
+    want = expected_counters(n, numel, dtype.itemsize)
+    for res in results:
+        assert res["counters"] == want
+        assert res["total"] == sum(want["bytes"].values())
+
+
+@settings(max_examples=40)
+@given(
+    n=st.integers(1, 8),
+    shard=st.integers(0, 40),
+    dtype=st.sampled_from(DTYPES),
+    op=st.sampled_from(["sum", "avg"]),
+    seed=st.integers(0, 2**16),
+)
+def test_sim_gather_and_scatter_equations(
+    n: int, shard: int, dtype: torch.dtype, op: str, seed: int
+) -> None:
+    small = cb.make_inputs(n, shard, dtype, seed)
+    big = cb.make_inputs(n, n * shard, dtype, seed + 1)
+    world = SimWorld(n)
+    for out in world.run(cb.all_gather_body, small):
+        exact(out, torch.cat(small))
+    for r, out in enumerate(world.run(cb.reduce_scatter_body, big, op)):
+        exact(out, ref_reduce_scatter(big, op, r))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_sim_async_overlap(n: int) -> None:
+    a, b = cb.make_inputs(n, 5, torch.float32), cb.make_inputs(n, 7, torch.float32, seed=1)
+    for out_a, out_b, z in SimWorld(n).run(cb.async_overlap_body, a, b):
+        exact(out_a, torch.cat(a))
+        exact(out_b, torch.cat(b))
+        exact(z, ref_reduce(a, "sum"))
+
+
+def test_sim_async_op_does_not_block_the_issuer() -> None:
+    results = SimWorld(2).run(cb.async_is_async_body, 0.6)
+    issue_s, done_early, out = results[0]
+    assert issue_s < 0.3 and not done_early  # rank 1 joins only after 0.6 s
+    exact(out, torch.tensor([0.0] * 4 + [1.0] * 4))
+
+
+def test_sim_results_are_per_rank_and_may_alias_inputs() -> None:
+    def body(comm: Any) -> tuple[Tensor, Tensor]:
+        n = comm.world_size
+        x = torch.arange(4.0 * n) * (comm.rank + 1)
+        chunk = x[comm.rank * 4 : (comm.rank + 1) * 4]  # output aliases the input
+        comm.reduce_scatter(chunk, x, op="sum")
+        gathered = torch.empty(4 * n)
+        comm.all_gather(gathered, chunk)
+        return chunk.clone(), gathered
+
+    n = 3
+    results = SimWorld(n).run(body)
+    total = sum(torch.arange(4.0 * n) * (r + 1) for r in range(n))
+    for r, (chunk, gathered) in enumerate(results):
+        exact(chunk, total[r * 4 : (r + 1) * 4])
+        exact(gathered, total)
+    assert len({g.data_ptr() for _, g in results}) == n
+
+
+def test_sim_copies_args_per_rank() -> None:
+    x = torch.zeros(3)
+
+    def body(comm: Any, t: Tensor) -> int:
+        t.add_(comm.rank + 1)  # would race and leak into the caller if shared
+        return t.data_ptr()
+
+    ptrs = SimWorld(3).run(body, x)
+    assert len(set(ptrs)) == 3 and x.data_ptr() not in ptrs
+    exact(x, torch.zeros(3))
+    nonleaf = torch.ones(2, requires_grad=True) * 2
+    with pytest.raises(TypeError, match="copy_args=False"):
+        SimWorld(2).run(body, nonleaf)
+
+
+def test_sim_comm_satisfies_protocol() -> None:
+    assert SimWorld(2).run(lambda comm: isinstance(comm, Comm)) == [True, True]
+    assert SimWorld(2).run(cb.identity_body) == [(0, 2, "SimComm"), (1, 2, "SimComm")]
+
+
+def test_simworld_validates_arguments() -> None:
+    with pytest.raises(ValueError, match="n=0"):
+        SimWorld(0)
+    with pytest.raises(ValueError, match="timeout=0"):
+        SimWorld(2, timeout=0)
+
+
+f32 = torch.float32
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (
+            lambda c: c.all_gather(torch.empty(5), torch.empty(3)),
+            ValueError,
+            r"all_gather on rank 0: output.numel\(\)=5 must equal world_size \* input.numel\(\) "
+            r"= 2 \* 3 = 6",
+        ),
+        (
+            lambda c: c.reduce_scatter(torch.empty(3), torch.empty(7)),
+            ValueError,
+            r"reduce_scatter on rank 0: input.numel\(\)=7 must equal world_size \* "
+            r"output.numel\(\) = 2 \* 3 = 6",
+        ),
+        (
+            lambda c: c.all_gather(torch.empty(6), torch.empty(3, dtype=torch.float64)),
+            TypeError,
+            r"all_gather on rank 0: output.dtype=torch.float32 differs from "
+            r"input.dtype=torch.float64",
+        ),
+        (
+            lambda c: c.all_gather(torch.empty(6, device="meta"), torch.empty(3)),
+            ValueError,
+            r"output.device=meta differs from input.device=cpu",
+        ),
+        (
+            lambda c: c.all_reduce(torch.empty(2, 3)),
+            ValueError,
+            r"all_reduce on rank 0: tensor must be 1-D, got shape \(2, 3\)",
+        ),
+        (
+            lambda c: c.broadcast(torch.empty(8)[::2]),
+            ValueError,
+            r"broadcast on rank 0: tensor must be contiguous, got stride \(2,\)",
+        ),
+        (
+            lambda c: c.all_reduce([1.0]),
+            TypeError,
+            r"all_reduce on rank 0: tensor must be a torch.Tensor, got <class 'list'>",
+        ),
+        (
+            lambda c: c.reduce_scatter(torch.empty(1), torch.empty(2), op="max"),
+            ValueError,
+            r"reduce_scatter on rank 0: op='max' is not one of \('sum', 'avg'\)",
+        ),
+        (
+            lambda c: c.all_reduce(torch.zeros(2, dtype=torch.int64), op="avg"),
+            TypeError,
+            r"op='avg' needs a floating-point tensor, got dtype=torch.int64",
+        ),
+        (
+            lambda c: c.broadcast(torch.empty(2), src=2),
+            ValueError,
+            r"broadcast on rank 0: src=2 is not in range\(world_size=2\)",
+        ),
+    ],
+)
+def test_sim_validation_errors(call: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(SimWorldError, match="rank 0 of 2") as info:
+        SimWorld(2).run(call)
+    assert isinstance(info.value.__cause__, error)
+    assert info.value.rank == 0
+    with pytest.raises(error, match=match):
+        raise info.value.__cause__
+
+
+def test_sim_one_rank_raising_releases_the_others() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(SimWorldError, match="rank 2 of 4 failed") as info:
+        SimWorld(4).run(cb.raise_on_rank_body, 2)
+    assert time.monotonic() - t0 < 5  # not the 30 s timeout
+    assert info.value.rank == 2
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "deliberate failure on rank 2" in str(info.value)
+
+
+def test_sim_bad_call_on_one_rank_only() -> None:
+    def body(comm: Any) -> None:
+        numel = 5 if comm.rank == 1 else 4
+        comm.all_gather(torch.empty(numel), torch.empty(2))
+
+    with pytest.raises(SimWorldError, match="rank 1 of 2") as info:
+        SimWorld(2).run(body)
+    assert "output.numel()=5" in str(info.value.__cause__)
+
+
+def test_sim_mismatched_collectives_name_both() -> None:
+    def body(comm: Any) -> None:
+        x = torch.zeros(4)
+        if comm.rank == 0:
+            comm.all_gather(torch.empty(8), x)
+        else:
+            comm.all_reduce(x, op="max")
+
+    with pytest.raises(SimWorldError) as info:
+        SimWorld(2).run(body)
+    text = str(info.value.__cause__)
+    assert "collective #0 differs across ranks" in text
+    assert "all_gather(input numel=4, output numel=8, dtype=torch.float32)" in text
+    assert "all_reduce(input numel=4, output numel=4, dtype=torch.float32, op='max')" in text
+
+
+def test_sim_mismatched_sizes_name_both() -> None:
+    def body(comm: Any) -> None:
+        comm.all_reduce(torch.zeros(3 + comm.rank))
+
+    with pytest.raises(SimWorldError, match="differs across ranks") as info:
+        SimWorld(2).run(body)
+    assert "input numel=3" in str(info.value) and "input numel=4" in str(info.value)
+
+
+def test_sim_rank_that_returns_without_joining() -> None:
+    def body(comm: Any) -> None:
+        if comm.rank == 0:
+            comm.all_reduce(torch.zeros(2))
+
+    t0 = time.monotonic()
+    with pytest.raises(
+        SimWorldError, match=r"finished without joining it \(ranks missing: \[1, 2\]\)"
+    ):
+        SimWorld(3).run(body)
+    assert time.monotonic() - t0 < 5
+
+
+def test_sim_timeout_names_collective_and_missing_rank() -> None:
+    def body(comm: Any) -> None:
+        if comm.rank == 1:
+            time.sleep(1.5)  # a live rank that is late
+        comm.all_reduce(torch.zeros(2))
+
+    t0 = time.monotonic()
+    with pytest.raises(SimWorldError, match="rank 0 of 2") as info:
+        SimWorld(2, timeout=1.0).run(body)
+    assert 1.0 <= time.monotonic() - t0 < 10
+    assert isinstance(info.value.__cause__, TimeoutError)
+    assert "all_reduce(input numel=2" in str(info.value)
+    assert "timed out after 1.0 s: rank(s) [1] never joined it" in str(info.value)
+
+
+def test_sim_unwaited_async_failure_is_reported() -> None:
+    def body(comm: Any) -> None:
+        x = torch.zeros(2)
+        if comm.rank == 0:
+            comm.all_gather(torch.empty(4), x, async_op=True)
+        else:
+            comm.all_reduce(x, async_op=True)
+
+    with pytest.raises(SimWorldError, match="differs across ranks"):
+        SimWorld(2).run(body)
+
+
+@pytest.mark.parametrize("values", [[7, 7, 7, 7], ["ab", "ab", "ab", "ab"]])
+def test_fingerprint_check_agreeing(values: list[int | str]) -> None:
+    assert SimWorld(4).run(cb.fingerprint_body, values) == [None] * 4
+
+
+@pytest.mark.parametrize(
+    "values", [[7, 7, 8, 7], ["ab", "ab", "ba", "ab"], [2**70, 2**70, 1, 2**70]]
+)
+def test_fingerprint_check_every_rank_raises(values: list[int | str]) -> None:
+    messages = SimWorld(4).run(cb.fingerprint_body, values)
+    for rank, message in enumerate(messages):
+        assert message is not None
+        assert message.startswith("layout fingerprint differs across ranks: rank 0 has ")
+        assert "rank 2: " in message and "rank 1:" not in message
+        assert f"this is rank {rank}" in message
+    if isinstance(values[0], int) and values[0] < 2**63:
+        assert "rank 0 has 0x7, but rank 2: 0x8" in messages[0]
+
+
+def test_fingerprint_check_rejects_other_types() -> None:
+    with pytest.raises(SimWorldError) as info:
+        SimWorld(1).run(fcomm.fingerprint_check, 1.5, "what")
+    assert isinstance(info.value.__cause__, TypeError)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tier 2: gloo processes (session-scoped worker pools, see tests/dist_pool.py)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_every_collective(gloo_pool: Any, n: int, dtype: torch.dtype) -> None:
+    numel = n * SHARD
+    inputs = cb.make_inputs(n, numel, dtype)
+    results = gloo_pool(n).run(cb.every_collective_body, inputs)
+    simulated = SimWorld(n).run(cb.every_collective_body, inputs)
+    for r, (res, sim) in enumerate(zip(results, simulated, strict=True)):
+        exact(res["all_gather"], torch.cat(inputs))
+        exact(res["broadcast"], inputs[n - 1])
+        for op in ("max", "min"):
+            exact(res[f"all_reduce/{op}"], ref_reduce(inputs, op))
+        for op in ("sum", "avg"):
+            rs, ar = res[f"reduce_scatter/{op}"], res[f"all_reduce/{op}"]
+            if n == 2:  # one addition: SimWorld and gloo agree bitwise
+                exact(rs, sim[f"reduce_scatter/{op}"])
+                exact(ar, sim[f"all_reduce/{op}"])
+                exact(rs, ref_reduce_scatter(inputs, op, r))
+            else:  # gloo adds in ring order
+                atol = order_tolerance(inputs, op)
+                torch.testing.assert_close(rs, ref_reduce_scatter(inputs, op, r), rtol=0, atol=atol)
+                torch.testing.assert_close(ar, ref_reduce(inputs, op), rtol=0, atol=atol)
+        # gloo's AVG is its own SUM divided by N (not a multiplication by 1/N), at any N
+        exact(res["reduce_scatter/avg"], res["reduce_scatter/sum"] / n)
+        exact(res["all_reduce/avg"], res["all_reduce/sum"] / n)
+        assert res["counters"] == sim["counters"] == expected_counters(n, numel, dtype.itemsize)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_single_collectives(gloo_pool: Any, n: int) -> None:
+    pool = gloo_pool(n)
+    small = cb.make_inputs(n, SHARD, torch.float32)
+    big = cb.make_inputs(n, n * SHARD, torch.float32)
+    for out in pool.run(cb.all_gather_body, small, async_op=True):
+        exact(out, torch.cat(small))
+    for r, out in enumerate(pool.run(cb.reduce_scatter_body, big, "sum", async_op=True)):
+        torch.testing.assert_close(out, ref_reduce_scatter(big, "sum", r))
+    for out in pool.run(cb.broadcast_body, small, 1, async_op=True):
+        exact(out, small[1])
+    for out in pool.run(cb.all_reduce_body, small, "max", async_op=True):
+        exact(out, ref_reduce(small, "max"))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_async_overlap(gloo_pool: Any, n: int) -> None:
+    a, b = cb.make_inputs(n, 5, torch.float32), cb.make_inputs(n, 7, torch.float32, seed=1)
+    for out_a, out_b, z in gloo_pool(n).run(cb.async_overlap_body, a, b):
+        exact(out_a, torch.cat(a))
+        exact(out_b, torch.cat(b))
+        torch.testing.assert_close(z, ref_reduce(a, "sum"))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_avg_fallback_matches_native_avg(gloo_pool: Any, n: int) -> None:
+    inputs = cb.make_inputs(n, n * SHARD, torch.float32)
+    pool = gloo_pool(n)
+    native = pool.run(cb.every_collective_body, inputs)
+    fallback = pool.run(cb.avg_fallback_body, inputs)
+    for nat, fb in zip(native, fallback, strict=True):
+        for key in ("reduce_scatter", "reduce_scatter/async"):
+            exact(fb[key], nat["reduce_scatter/avg"])
+        for key in ("all_reduce", "all_reduce/async"):
+            exact(fb[key], nat["all_reduce/avg"])
+
+
+def test_gloo_comm_with_timeout_and_subgroup(gloo_pool: Any) -> None:
+    n = 3
+    inputs = cb.make_inputs(n, n * SHARD, torch.float32)
+    pool = gloo_pool(n)
+    for res, ref in zip(
+        pool.run(cb.timeout_comm_body, inputs),
+        pool.run(cb.every_collective_body, inputs),
+        strict=True,
+    ):
+        assert res.keys() == ref.keys()
+        for key, value in ref.items():
+            if isinstance(value, Tensor):
+                exact(res[key], value)
+            else:
+                assert res[key] == value
+    results = pool.run(cb.subgroup_body, inputs)
+    assert results[0] is None
+    sub_inputs = inputs[1:]
+    for sub_rank, res in enumerate(results[1:]):
+        assert (res["rank"], res["world_size"]) == (sub_rank, 2)
+        exact(res["all_gather"], torch.cat(sub_inputs))
+        exact(res["broadcast"], sub_inputs[1])
+        exact(res["all_reduce"], sub_inputs[0] + sub_inputs[1])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_fingerprint_check(gloo_pool: Any, n: int) -> None:
+    pool = gloo_pool(n)
+    assert pool.run(cb.fingerprint_body, ["x"] * n) == [None] * n
+    values = [5] * (n - 1) + [6]
+    for message in pool.run(cb.fingerprint_body, values):
+        assert f"rank 0 has 0x5, but rank {n - 1}: 0x6" in message
+    assert pool.run(cb.identity_body) == [(r, n, "TorchComm") for r in range(n)]
+
+
+def test_gloo_worker_error_names_rank_and_pool_recovers(gloo_pool: Any) -> None:
+    pool = gloo_pool(2)
+    starts = pool.starts
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"failed on rank\(s\) \[1\]") as info:
+        pool.run(cb.raise_on_rank_body, 1)
+    assert time.monotonic() - t0 < 10
+    assert info.value.ranks == [1]
+    assert "ValueError: deliberate failure on rank 1" in info.value.tracebacks[1]
+    assert isinstance(info.value.__cause__, ValueError)
+    assert pool.run(cb.identity_body) == [(0, 2, "TorchComm"), (1, 2, "TorchComm")]
+    assert pool.starts == starts + 1
+
+
+# ----------------------------------------------------------------------------------------------
+# init_distributed in this process
+
+
+@pytest.fixture
+def bare_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in (*fcomm._TORCHRUN_VARS, *fcomm._SLURM_VARS):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_init_distributed_single_process_fallback(bare_env: pytest.MonkeyPatch) -> None:
+    assert not dist.is_initialized()
+    with distributed(backend="gloo", timeout=timedelta(seconds=30)) as comm:
+        assert (comm.rank, comm.world_size, comm.backend) == (0, 1, "gloo")
+        assert init_distributed().world_size == 1  # an existing group is reused
+        with distributed() as inner:  # does not own the group: leaves it alone
+            assert inner.rank == 0
+        assert dist.is_initialized()
+        res = cb.every_collective_body(comm, cb.make_inputs(1, 4, torch.float32))
+        exact(res["all_gather"], cb.make_inputs(1, 4, torch.float32)[0])
+        assert res["total"] == 0 and res["counters"]["calls"]["all_reduce"] == 4
+    assert not dist.is_initialized()
+    destroy_distributed()  # a no-op without a group
+
+
+def test_init_distributed_from_torchrun_env(bare_env: pytest.MonkeyPatch) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
+        bare_env.setenv(name, value)
+    with distributed(backend="gloo") as comm:
+        assert (comm.rank, comm.world_size) == (0, 1)
+        x = torch.arange(3.0)
+        comm.broadcast(x)
+        exact(x, torch.arange(3.0))
+    assert not dist.is_initialized()
+
+
+def test_init_distributed_names_missing_variable(bare_env: pytest.MonkeyPatch) -> None:
+    bare_env.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="WORLD_SIZE is not set"):
+        init_distributed(backend="gloo")
+    assert not dist.is_initialized()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tier 3: CUDA (NCCL)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nccl_every_collective(bare_env: pytest.MonkeyPatch) -> None:
+    inputs = [x.cuda() for x in cb.make_inputs(1, 8, torch.float32)]
+    with distributed(backend="nccl") as comm:
+        assert comm.device.type == "cuda"
+        res = cb.every_collective_body(comm, inputs)
+        for key, value in res.items():
+            if isinstance(value, Tensor):
+                assert value.is_cuda
+                exact(value, inputs[0][: value.numel()] if "scatter" in key else inputs[0])
+        res = cb.async_overlap_body(comm, inputs, inputs)
+        torch.cuda.synchronize()
+        exact(res[0], inputs[0])
+        cb.fingerprint_body(comm, ["same"])
