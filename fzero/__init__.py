@@ -6,6 +6,7 @@ Pure core: `plan` (layout), `flatten` / `unflatten` / `shard` / `unshard` (flat 
 """
 
 from fzero import memory, optim
+from fzero.collect import Collectives, Pending, Streams, collectives
 from fzero.comm import (
     Comm,
     CommCounters,
@@ -18,9 +19,16 @@ from fzero.comm import (
 from fzero.flat import bucket_shards, flatten, shard, unflatten, unshard
 from fzero.layout import Bucket, Entry, ShardLayout, plan
 from fzero.simworld import SimComm, SimWorld, SimWorldError
+from fzero.state import LossScale, ShardState, init
+from fzero.step import full_params, make_eval_step, make_train_step
 
 __all__ = [
     "Bucket",
+    "Collectives",
+    "LossScale",
+    "Pending",
+    "ShardState",
+    "Streams",
     "Comm",
     "CommCounters",
     "Entry",
@@ -31,6 +39,11 @@ __all__ = [
     "TorchComm",
     "Work",
     "bucket_shards",
+    "collectives",
+    "full_params",
+    "init",
+    "make_eval_step",
+    "make_train_step",
     "destroy_distributed",
     "distributed",
     "flatten",

@@ -143,6 +143,12 @@ class Bucket:
         """Every name stored in the bucket, aliases included, in entry order."""
         return tuple(name for entry in self.entries for name in entry.names)
 
+    def cast(self, dtype: torch.dtype) -> Bucket:
+        """The same bucket stored in `dtype`."""
+        name = _dtype_name(dtype)
+        entries = tuple(dataclasses.replace(e, dtype=name) for e in self.entries)
+        return dataclasses.replace(self, entries=entries, dtype=name)
+
     def shard_range(self, rank: int) -> tuple[int, int]:
         """The half-open range of the padded flat buffer that `rank` holds."""
         _check_rank(rank, self.world_size)
@@ -262,6 +268,13 @@ class ShardLayout:
         layout = cls(tuple(buckets), world_size)
         _check_contiguous(layout)
         return layout
+
+    def cast(self, dtype: torch.dtype) -> ShardLayout:
+        """The same layout with every floating-point bucket stored in `dtype`."""
+        buckets = tuple(
+            b.cast(dtype) if b.torch_dtype.is_floating_point else b for b in self.buckets
+        )
+        return ShardLayout(buckets, self.world_size, self.version)
 
     def with_world_size(self, world_size: int) -> ShardLayout:
         """The same buckets sharded over another number of ranks (for resharding)."""

@@ -82,10 +82,13 @@ class Optimizer(NamedTuple):
             update (torch's ``state["step"]`` after its increment); ``lr`` overrides the
             constructor's learning rate or schedule; ``decay`` restricts weight decay to element
             ranges (see the module docstring).
+        lr: the learning-rate schedule ``step -> lr`` the constructor was given (a constant
+            learning rate becomes a constant schedule); train steps report it.
     """
 
     init: InitFn
     update: UpdateFn
+    lr: Schedule
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +295,7 @@ def _adam(
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(ps, exp_avgs, denom, step_size)
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, schedule)
 
 
 def adamw(
@@ -428,7 +431,7 @@ def sgd(
                 direction = bufs
         torch._foreach_add_(ps, direction, alpha=-lr_t)
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, schedule)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,360 @@
+"""Bucket collectives: all-gather shards into full parameters, reduce-scatter gradients to shards.
+
+For a layout ``L`` over ``N`` ranks, with ``g_q`` the gradients rank q passes:
+
+    gather(shard(p, L, r))          == unflatten(flatten(p, L), L)          on every rank r
+    scatter_grads(g_r)[b]           == shard(mean over q of g_q, L, r)[b]    on every rank r
+
+`gather` is differentiable: its vector-Jacobian product is `scatter_grads` (a reduce-scatter
+averaged over ranks), so ``autograd.grad(loss_r(gather(shards_r)), shards_r)`` gives each rank
+the gradient of the mean of all ranks' losses with respect to its shard.
+
+[Note: streams]
+On CUDA, all-gathers run on one side stream and reduce-scatters on another (`Streams`). A
+collective first makes its side stream wait for the current (compute) stream, so its input is
+ready; it marks input and output with `record_stream` so the caching allocator does not reuse
+them while the side stream may still read or write; and it records an event. `Pending.wait()`
+makes the *current* stream wait on that event: the compute stream blocks only at the point of
+use. On CPU the same code path uses the comm's async work handles (gloo runs its collectives on
+its own threads), and `wait()` blocks the calling thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from fzero.comm import Comm, Work, fingerprint_check
+from fzero.flat import unflatten
+from fzero.layout import Bucket, ShardLayout
+
+__all__ = [
+    "Collectives",
+    "Pending",
+    "Streams",
+    "all_gather_bucket",
+    "collectives",
+    "reduce_scatter_bucket",
+]
+
+
+class Streams:
+    """The side streams collectives run on: one for all-gathers, one for reduce-scatters.
+
+    `Streams.for_device(device)` returns None off CUDA, where the comm's async handles are the
+    only concurrency.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.all_gather = torch.cuda.Stream(device=device)
+        self.reduce_scatter = torch.cuda.Stream(device=device)
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> Streams | None:
+        """Side streams on a CUDA device; None for any other device."""
+        device = torch.device(device)
+        return cls(device) if device.type == "cuda" else None
+
+
+class Pending:
+    """A collective in flight; `wait()` returns its output once it may be used.
+
+    Waiting twice is harmless; the second call returns at once.
+    """
+
+    __slots__ = ("_event", "_output", "_work")
+
+    def __init__(self, output: Tensor, work: Work | None, event: Any | None) -> None:
+        self._output = output
+        self._work = work
+        self._event = event
+
+    def wait(self) -> Tensor:
+        """Block (CPU) or make the current stream wait (CUDA) until the output is ready."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._event is not None:
+            stream = torch.cuda.current_stream(self._output.device)
+            stream.wait_event(self._event)
+            self._output.record_stream(stream)
+            self._event = None
+        return self._output
+
+
+@contextlib.contextmanager
+def _on_side_stream(stream: Any | None, *tensors: Tensor) -> Iterator[Any | None]:
+    """Run the body on `stream` after the current stream's pending work; yield its end event."""
+    if stream is None:
+        yield None
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    for tensor in tensors:
+        tensor.record_stream(stream)
+    event = torch.cuda.Event()
+    with torch.cuda.stream(stream):
+        yield event
+        event.record(stream)
+
+
+def all_gather_bucket(
+    comm: Comm,
+    bucket: Bucket,
+    shard: Tensor,
+    *,
+    out: Tensor | None = None,
+    streams: Streams | None = None,
+) -> Pending:
+    """Start the all-gather of one bucket: every rank's shard into the padded flat buffer.
+
+    Args:
+        comm: the communicator.
+        bucket: the bucket (gives the sizes).
+        shard: this rank's ``(shard_numel,)`` shard.
+        out: the ``(padded_numel,)`` buffer to fill; allocated when None.
+        streams: side streams (CUDA) or None.
+
+    Returns:
+        A `Pending` whose `wait()` returns the flat buffer: ``out[r*s:(r+1)*s] == shard_r``.
+    """
+    if out is None:
+        out = shard.new_empty(bucket.padded_numel)
+    stream = streams.all_gather if streams is not None else None
+    with _on_side_stream(stream, shard, out) as event:
+        work = comm.all_gather(out, shard, async_op=True)
+    return Pending(out, work, event)
+
+
+def reduce_scatter_bucket(
+    comm: Comm,
+    bucket: Bucket,
+    flat: Tensor,
+    *,
+    out: Tensor | None = None,
+    op: str = "avg",
+    streams: Streams | None = None,
+) -> Pending:
+    """Start the reduce-scatter of one bucket's flat gradient into this rank's shard.
+
+    Args:
+        comm: the communicator.
+        bucket: the bucket (gives the sizes).
+        flat: this rank's ``(padded_numel,)`` gradient, padding zero.
+        out: the ``(shard_numel,)`` output; allocated (flat's dtype) when None.
+        op: ``"avg"`` (data-parallel mean) or ``"sum"``.
+        streams: side streams (CUDA) or None.
+
+    Returns:
+        A `Pending` whose `wait()` returns ``op over ranks q of flat_q[r*s:(r+1)*s]``.
+    """
+    if out is None:
+        out = flat.new_empty(bucket.shard_numel)
+    stream = streams.reduce_scatter if streams is not None else None
+    with _on_side_stream(stream, flat, out) as event:
+        work = comm.reduce_scatter(out, flat, op=op, async_op=True)
+    return Pending(out, work, event)
+
+
+class Collectives(NamedTuple):
+    """The layout-bound collectives returned by `collectives`."""
+
+    gather: Callable[..., dict[str, Tensor]]
+    """``gather(shards, buckets=None) -> {name: full parameter}`` (differentiable)."""
+    scatter_grads: Callable[..., tuple[Tensor, ...]]
+    """``scatter_grads(grads, buckets=None) -> grad shards``, averaged over ranks."""
+    gather_async: Callable[[Sequence[Tensor], int], Pending]
+    """``gather_async(shards, bucket) -> Pending`` of that bucket's flat buffer, for prefetch."""
+
+
+def collectives(
+    layout: ShardLayout,
+    comm: Comm,
+    *,
+    streams: Streams | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> Collectives:
+    """Bind `gather` / `scatter_grads` to a layout and a communicator.
+
+    A collective itself: every rank all-gathers the layout's fingerprint, and all raise if any
+    rank planned a different layout (the message lists the ranks), before any bucket moves.
+
+    Args:
+        layout: the layout every rank planned.
+        comm: the communicator (``comm.world_size`` must equal ``layout.world_size``).
+        streams: CUDA side streams; by default created for the comm's device when it is CUDA.
+        reduce_dtype: dtype gradients are reduced in (e.g. float32 for bfloat16 parameters);
+            default each bucket's own dtype. Gradient shards come back in this dtype.
+
+    Returns:
+        `Collectives` ``(gather, scatter_grads, gather_async)``.
+
+    Raises:
+        ValueError: the world sizes differ, or ranks planned different layouts.
+    """
+    if comm.world_size != layout.world_size:
+        raise ValueError(
+            f"the layout is planned for world_size={layout.world_size} but the comm has "
+            f"world_size={comm.world_size}"
+        )
+    fingerprint_check(comm, layout.fingerprint, "layout fingerprint")
+    if streams is None:
+        streams = Streams.for_device(getattr(comm, "device", "cpu"))
+    located = layout.locate()
+
+    def gather_async(shards: Sequence[Tensor], bucket: int) -> Pending:
+        _check_shard(shards[bucket], layout, bucket)
+        return all_gather_bucket(comm, layout.buckets[bucket], shards[bucket], streams=streams)
+
+    def gather(
+        shards: Sequence[Tensor], buckets: Sequence[int] | None = None
+    ) -> dict[str, Tensor]:
+        """Full parameters of `buckets` (default all): views into fresh flat buffers.
+
+        Every bucket's all-gather is issued before the first is waited on.
+        """
+        indices = _bucket_indices(layout, buckets, len(shards))
+        for index in indices:
+            _check_shard(shards[index], layout, index)
+        flats = _GatherBuckets.apply(_Context(layout, comm, streams, indices), *shards)
+        full = dict.fromkeys(range(len(layout.buckets)))
+        full.update(zip(indices, flats, strict=True))
+        sub = ShardLayout(tuple(layout.buckets[i] for i in indices), layout.world_size)
+        return unflatten([full[i] for i in indices], sub)
+
+    def scatter_grads(
+        grads: Mapping[str, Tensor], buckets: Sequence[int] | None = None
+    ) -> tuple[Tensor, ...]:
+        """Gradient shards of `buckets` (default all), averaged over ranks.
+
+        Missing gradients count as zero; padding is zero. Every reduce-scatter is issued
+        before the first is waited on.
+        """
+        indices = _bucket_indices(layout, buckets, len(layout.buckets))
+        _check_grads(grads, layout, located)
+        pending = [
+            reduce_scatter_bucket(
+                comm,
+                layout.buckets[i],
+                _flat_grad(grads, layout.buckets[i], reduce_dtype),
+                streams=streams,
+            )
+            for i in indices
+        ]
+        return tuple(p.wait() for p in pending)
+
+    return Collectives(gather, scatter_grads, gather_async)
+
+
+# --- the differentiable all-gather -----------------------------------------------------------
+
+
+class _Context(NamedTuple):
+    layout: ShardLayout
+    comm: Comm
+    streams: Streams | None
+    indices: tuple[int, ...]
+
+
+class _GatherBuckets(torch.autograd.Function):
+    """All-gather of the chosen buckets; backward reduce-scatters the flat gradients (mean)."""
+
+    @staticmethod
+    def forward(ctx: Any, info: _Context, *shards: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.info = info
+        ctx.num_shards = len(shards)
+        pending = [
+            all_gather_bucket(info.comm, info.layout.buckets[i], shards[i], streams=info.streams)
+            for i in info.indices
+        ]
+        return tuple(p.wait() for p in pending)
+
+    @staticmethod
+    def backward(ctx: Any, *flat_grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        info: _Context = ctx.info
+        grads: list[Tensor | None] = [None] * ctx.num_shards
+        pending = []
+        for index, flat in zip(info.indices, flat_grads, strict=True):
+            bucket = info.layout.buckets[index]
+            if flat is None:  # every rank takes part: a missing gradient is a zero gradient
+                flat = torch.zeros(bucket.padded_numel, dtype=bucket.torch_dtype)
+            pending.append((index, reduce_scatter_bucket(
+                info.comm, bucket, flat.contiguous(), streams=info.streams)))
+        for index, p in pending:
+            grads[index] = p.wait()
+        return (None, *grads)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _bucket_indices(
+    layout: ShardLayout, buckets: Sequence[int] | None, given: int
+) -> tuple[int, ...]:
+    if given != len(layout.buckets):
+        raise ValueError(
+            f"expected one shard per bucket ({len(layout.buckets)}), got {given}"
+        )
+    if buckets is None:
+        return tuple(range(len(layout.buckets)))
+    indices = tuple(buckets)
+    bad = [i for i in indices if not isinstance(i, int) or not 0 <= i < len(layout.buckets)]
+    if bad or len(set(indices)) != len(indices):
+        raise ValueError(
+            f"buckets must be distinct indices in range({len(layout.buckets)}), got {indices}"
+        )
+    return indices
+
+
+def _check_shard(shard: Tensor, layout: ShardLayout, index: int) -> None:
+    bucket = layout.buckets[index]
+    if (
+        not isinstance(shard, Tensor)
+        or shard.dim() != 1
+        or shard.numel() != bucket.shard_numel
+        or shard.dtype != bucket.torch_dtype
+    ):
+        got = (
+            f"shape {tuple(shard.shape)} dtype {shard.dtype}"
+            if isinstance(shard, Tensor)
+            else type(shard).__name__
+        )
+        raise ValueError(
+            f"shard of bucket {index} ({bucket.label!r}) must be a 1-D {bucket.dtype} tensor of "
+            f"{bucket.shard_numel} elements, got {got}"
+        )
+
+
+def _check_grads(
+    grads: Mapping[str, Tensor], layout: ShardLayout, located: Mapping[str, Any]
+) -> None:
+    for name, grad in grads.items():
+        if name not in located:
+            raise ValueError(f"gradient for unknown parameter {name!r}")
+        entry = located[name][1]
+        if not isinstance(grad, Tensor) or tuple(grad.shape) != entry.shape:
+            got = tuple(grad.shape) if isinstance(grad, Tensor) else type(grad).__name__
+            raise ValueError(
+                f"gradient of {name!r} has shape {got}, but the parameter has shape {entry.shape}"
+            )
+
+
+def _flat_grad(grads: Mapping[str, Tensor], bucket: Bucket, dtype: torch.dtype | None) -> Tensor:
+    """The bucket's gradient as one flat padded buffer; a missing gradient is zero.
+
+    Tied parameters' gradients (under any of their names) are summed, as autograd would.
+    """
+    dtype = dtype or bucket.torch_dtype
+    device = next((g.device for g in grads.values()), torch.device("cpu"))
+    flat = torch.zeros(bucket.padded_numel, dtype=dtype, device=device)
+    with torch.no_grad():
+        for entry in bucket.entries:
+            piece = flat[entry.offset : entry.end].view(entry.shape)
+            for name in entry.names:
+                if name in grads:
+                    piece.add_(grads[name])
+    return flat

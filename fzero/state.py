@@ -1,0 +1,311 @@
+"""`ShardState`: everything a rank owns for training, as one immutable value; and `init`.
+
+Per bucket b of the layout, with ``s_b`` its shard numel and ``P_b`` its padded numel:
+
+| field   | stage 0            | stage 1            | stage 2            | stage 3            |
+|---------|--------------------|--------------------|--------------------|--------------------|
+| params  | (P_b,) full        | (P_b,) full        | (P_b,) full        | (s_b,) shard       |
+| grads   | (P_b,) full        | (P_b,) full        | (s_b,) shard       | (s_b,) shard       |
+| master  | (P_b,) full        | (s_b,) shard       | (s_b,) shard       | (s_b,) shard       |
+| moments | like master        | like master        | like master        | like master        |
+
+`params` are in the compute dtype (``param_dtype``) for every bucket; `grads`, `master` and each
+moment exist for trainable buckets only (None elsewhere). When the compute dtype is the master
+dtype, ``master[b]`` is a view of ``params[b]`` (the parameters are the master copy: no second
+copy); otherwise it is an fp32 copy. Memory is counted per storage, so views count once
+(`state_bytes`), which is what the DESIGN stage table predicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from fzero import memory
+from fzero.comm import Comm, fingerprint_check
+from fzero.flat import flatten
+from fzero.layout import Bucket, ShardLayout, plan
+from fzero.optim import Optimizer
+
+__all__ = [
+    "LossScale",
+    "ShardConfig",
+    "ShardState",
+    "STAGES",
+    "init",
+    "state_bytes",
+    "state_bytes_theory",
+]
+
+STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class LossScale:
+    """Dynamic loss scaling for float16 compute (the `torch.amp.GradScaler` rule).
+
+    The loss is multiplied by `scale` before backward. A step with non-finite gradients is
+    skipped and the scale multiplied by `backoff`; after `interval` finite steps in a row it is
+    multiplied by `growth`.
+    """
+
+    scale: float = 2.0**16
+    growth: float = 2.0
+    backoff: float = 0.5
+    interval: int = 2000
+    good_steps: int = 0
+
+    def after(self, finite: bool) -> LossScale:
+        """The scale state after a step whose gradients were (not) all finite."""
+        if not finite:
+            return dataclasses.replace(self, scale=self.scale * self.backoff, good_steps=0)
+        if self.good_steps + 1 >= self.interval:
+            return dataclasses.replace(self, scale=self.scale * self.growth, good_steps=0)
+        return dataclasses.replace(self, good_steps=self.good_steps + 1)
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Static settings of a state: how it communicates, updates and stores numbers."""
+
+    comm: Comm
+    optimizer: Optimizer
+    param_dtype: torch.dtype | None
+    master_dtype: torch.dtype
+    reduce_dtype: torch.dtype | None
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """One rank's training state for ZeRO stage `stage` (see the module docstring's table).
+
+    A pytree: the tensors (params, grads, master, moments, buffers) are its leaves; layout,
+    stage, step, loss scale and config are static. Train steps return a new state made with
+    `dataclasses.replace`; buffers of the old one may be reused in place (the state is
+    consumed, like a donated argument in JAX).
+    """
+
+    layout: ShardLayout
+    stage: int
+    step: int
+    params: tuple[Tensor, ...]
+    grads: tuple[Tensor | None, ...]
+    master: tuple[Tensor | None, ...]
+    moments: dict[str, tuple[Tensor | None, ...]]
+    buffers: dict[str, Tensor]
+    config: ShardConfig
+    loss_scale: LossScale | None = None
+    bucket_order: tuple[int, ...] | None = None
+    """Stage 3: buckets in the order the last forward first used them (drives prefetch)."""
+
+    @property
+    def trainable(self) -> tuple[int, ...]:
+        """Indices of the trainable buckets."""
+        return tuple(i for i, b in enumerate(self.layout.buckets) if b.trainable)
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        return self.config.comm.rank
+
+
+def _flatten_state(state: ShardState) -> tuple[list[Any], Any]:
+    children = [state.params, state.grads, state.master, state.moments, state.buffers]
+    context = (state.layout, state.stage, state.step, state.config, state.loss_scale,
+               state.bucket_order)
+    return children, context
+
+
+def _unflatten_state(children: Any, context: Any) -> ShardState:
+    params, grads, master, moments, buffers = children
+    layout, stage, step, config, loss_scale, bucket_order = context
+    return ShardState(
+        layout, stage, step, tuple(params), tuple(grads), tuple(master), dict(moments),
+        dict(buffers), config, loss_scale, bucket_order,
+    )
+
+
+pytree.register_pytree_node(
+    ShardState, _flatten_state, _unflatten_state, serialized_type_name="fzero.ShardState"
+)
+
+
+def init(
+    model: nn.Module | Mapping[str, Tensor],
+    *,
+    stage: int,
+    optimizer: Optimizer,
+    comm: Comm,
+    buckets: Any = None,
+    param_dtype: torch.dtype | None = None,
+    master_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype | None = None,
+    trainable: Any = None,
+    device: torch.device | str | None = None,
+) -> ShardState:
+    """Build a rank's `ShardState` from a materialized model or a state dict (a collective).
+
+    Rank 0's values are the truth: every bucket is broadcast from rank 0, one bucket at a time,
+    and each rank keeps what its stage stores (see the module table). All ranks must call it.
+
+    Args:
+        model: the `nn.Module` (its parameters and buffers), or a mapping of parameter names to
+            tensors (then the model has no buffers, and trainability comes from `trainable`
+            or ``requires_grad``).
+        stage: ZeRO stage: 0 (plain data parallelism, the reference), 1, 2 or 3.
+        optimizer: an `fzero.optim` optimizer.
+        comm: the communicator (`fzero.TorchComm`, or a `SimWorld` rank's comm).
+        buckets: bucket policy, as for `fzero.plan`.
+        param_dtype: compute dtype of floating parameters (e.g. ``torch.bfloat16``); default
+            each parameter's own dtype.
+        master_dtype: dtype of the optimizer's copy of trainable parameters and its moments.
+        reduce_dtype: dtype gradients are reduced and kept in; default `param_dtype`.
+        trainable: which parameters train, as for `fzero.plan` (default ``requires_grad``).
+        device: where the state lives; default the comm's device (CPU for gloo).
+
+    Returns:
+        The state at step 0, with zero gradients and fresh optimizer moments.
+
+    Raises:
+        ValueError: `stage` is not 0-3, or ranks planned different layouts (parameter names,
+            shapes or dtypes differ across ranks): every rank raises, naming the ranks.
+        TypeError: `optimizer` is not an `fzero.optim.Optimizer`.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage=}")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer must be an fzero.optim.Optimizer (e.g. fzero.optim.adamw()), "
+            f"got {type(optimizer).__name__}"
+        )
+    for what, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
+                        ("master_dtype", master_dtype)):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"{what} must be a floating torch.dtype or None, got {dtype!r}")
+    device = torch.device(device) if device is not None else getattr(comm, "device", "cpu")
+    device = torch.device(device)
+    source_layout = plan(model, comm.world_size, buckets=buckets, trainable=trainable)
+    layout = source_layout.cast(param_dtype) if param_dtype is not None else source_layout
+    fingerprint_check(comm, layout.fingerprint, "layout fingerprint (parameter names, shapes "
+                      "and dtypes)")
+    tensors = (
+        dict(model.named_parameters(remove_duplicate=False))
+        if isinstance(model, nn.Module) else dict(model)
+    )
+    meta = sorted(name for name, t in tensors.items() if t.is_meta)
+    if meta:
+        raise ValueError(
+            f"init needs materialized parameters, but {meta[:5]} are on the meta device"
+        )
+    params, grads, master = [], [], []
+    for index, bucket in enumerate(source_layout.buckets):
+        sub = ShardLayout((bucket,), comm.world_size)
+        names = {entry.name: tensors[entry.name] for entry in bucket.entries}
+        (truth,) = flatten(names, sub)  # (padded,) in the model's own dtype
+        truth = truth.to(device)
+        comm.broadcast(truth, src=0)
+        # Stage 3 keeps a copy of its shard, so the full buffer is freed after this bucket.
+        kept = _keep(truth, bucket, comm.rank, full=stage < 3)
+        compute = kept.to(layout.buckets[index].torch_dtype, copy=stage == 3)
+        params.append(compute)
+        if not bucket.trainable:
+            grads.append(None)
+            master.append(None)
+            continue
+        if compute.dtype == master_dtype:  # the parameters are the master copy
+            master.append(_keep(compute, bucket, comm.rank, full=stage != 1 and stage != 2))
+        else:
+            master.append(_keep(truth, bucket, comm.rank, full=stage == 0).to(master_dtype,
+                                                                               copy=True))
+        # Stages 0-1 accumulate full gradients in place in the compute dtype (autograd's own
+        # accumulation); stages 2-3 keep reduced shards, in `reduce_dtype` when given.
+        grad_dtype = compute.dtype if stage < 2 else (reduce_dtype or compute.dtype)
+        numel = bucket.padded_numel if stage < 2 else bucket.shard_numel
+        grads.append(torch.zeros(numel, dtype=grad_dtype, device=device))
+    trainable_master = [m for m in master if m is not None]
+    moments = optimizer.init(trainable_master)
+    moments = {name: _spread(values, master) for name, values in moments.items()}
+    buffers = {}
+    if isinstance(model, nn.Module):
+        for name, buffer in model.named_buffers():
+            value = buffer.detach().to(device).clone()
+            flat = value.reshape(-1)
+            if flat.numel():
+                comm.broadcast(flat, src=0)
+            buffers[name] = value
+    config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device)
+    loss_scale = LossScale() if param_dtype == torch.float16 else None
+    return ShardState(
+        layout, stage, 0, tuple(params), tuple(grads), tuple(master), moments, buffers, config,
+        loss_scale,
+    )
+
+
+def state_bytes(state: ShardState) -> int:
+    """Model-state bytes this rank owns: params, grads, master and moments, each storage once."""
+    seen: dict[int, int] = {}
+    tensors = [*state.params, *state.grads, *state.master]
+    tensors += [t for values in state.moments.values() for t in values]
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def state_bytes_theory(state: ShardState) -> float:
+    """The DESIGN stage table's bytes for this state's model, world size, stage and dtypes.
+
+    Trainable parameters follow the table with ``K = master bytes (when a separate master
+    copy exists) + moment bytes``; frozen parameters hold only their compute-dtype values
+    (sharded at stage 3). Padding is not included (`state_bytes` measures it).
+    """
+    layout = state.layout
+    world = layout.world_size
+    trainable = [b for b in layout.buckets if b.trainable]
+    frozen = [b for b in layout.buckets if not b.trainable]
+    total = 0.0
+    if trainable:
+        param_bytes = trainable[0].torch_dtype.itemsize
+        grad_bytes = (state.config.reduce_dtype or trainable[0].torch_dtype).itemsize
+        master_bytes = state.config.master_dtype.itemsize
+        separate_master = trainable[0].torch_dtype != state.config.master_dtype
+        k = master_bytes * (len(state.moments) + int(separate_master))
+        numel = sum(b.numel for b in trainable)
+        total += memory.estimate(numel, world, state.stage, k=k, param_bytes=param_bytes,
+                                 grad_bytes=grad_bytes)
+    for bucket in frozen:
+        size = bucket.numel * bucket.torch_dtype.itemsize
+        total += size / world if state.stage == 3 else size
+    return total
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _keep(flat: Tensor, bucket: Bucket, rank: int, *, full: bool) -> Tensor:
+    """`flat` itself when the stage keeps it whole, else this rank's shard (a view)."""
+    if full:
+        return flat
+    lo, hi = bucket.shard_range(rank)
+    return flat[lo:hi]
+
+
+def _spread(values: tuple[Tensor, ...], master: list[Tensor | None]) -> tuple[Tensor | None, ...]:
+    """Per-trainable-bucket values back to one slot per bucket (None for frozen buckets)."""
+    it = iter(values)
+    return tuple(None if m is None else next(it) for m in master)
+
+
+def trainable_only(values: tuple[Tensor | None, ...]) -> list[Tensor]:
+    """The non-None entries (one per trainable bucket), in bucket order."""
+    return [v for v in values if v is not None]
+
