@@ -27,7 +27,7 @@ from fzero.collect import Pending, Streams, all_gather_bucket, reduce_scatter_bu
 from fzero.comm import Comm
 from fzero.layout import Bucket, ShardLayout
 
-__all__ = ["GradBuckets", "Resident", "leaves_over", "trigger_modules"]
+__all__ = ["BucketOrder", "GradBuckets", "Resident", "leaves_over", "trigger_modules"]
 
 # In flight at once: a bucket being reduced plus the next one (bounds gradient memory).
 MAX_PENDING_REDUCES = 2
@@ -144,6 +144,13 @@ def trigger_modules(model: nn.Module, layout: ShardLayout) -> dict[nn.Module, li
     return triggers
 
 
+class BucketOrder(NamedTuple):
+    """The order buckets were first needed in a step's forward and in its backward."""
+
+    forward: tuple[int, ...]
+    backward: tuple[int, ...]
+
+
 class _Saved(NamedTuple):
     bucket: int
     offset: int
@@ -153,7 +160,9 @@ class _Saved(NamedTuple):
 
 class Resident:
     """Stage 3's full parameters: gathered just in time, released after use, re-gathered for
-    backward, with up to `prefetch` buckets gathered ahead along the learned bucket order.
+    backward, with up to `prefetch` buckets gathered ahead along the order the previous step
+    used (forward and backward orders are learned separately: backward needs only the buckets
+    whose parameters autograd saved, e.g. not an embedding's).
 
     Each bucket's full flat buffer keeps its tensor (and the parameter leaves aliasing it) for
     the whole step; its storage is resized to zero bytes whenever the bucket is released.
@@ -165,15 +174,18 @@ class Resident:
         layout: ShardLayout,
         shards: Sequence[Tensor],
         streams: Streams | None,
-        order: Sequence[int],
+        order: BucketOrder,
         prefetch: int,
     ) -> None:
         self.comm = comm
         self.layout = layout
         self.shards = shards
         self.streams = streams
-        self.order = list(order)
-        self.position = {bucket: i for i, bucket in enumerate(self.order)}
+        self.order = order
+        self.position = (
+            {bucket: i for i, bucket in enumerate(order.forward)},
+            {bucket: i for i, bucket in enumerate(order.backward)},
+        )
         self.prefetch = prefetch
         self.full: list[Tensor] = []
         self.leaves: list[list[Tensor]] = []
@@ -188,7 +200,8 @@ class Resident:
         self.by_pointer: dict[int, int] = {}
         self.active = [0] * len(layout.buckets)
         self.current: int | None = None  # the bucket backward is working on
-        self.seen: list[int] = []  # first-use order this step
+        self.in_backward = False
+        self.seen: tuple[list[int], list[int]] = ([], [])  # first-use orders this step
         self.live_bytes = 0
         self.peak_bytes = 0
 
@@ -214,8 +227,9 @@ class Resident:
         self._issue(index)
         self.inflight.pop(index).wait()
         self.resident.add(index)
-        if index not in self.seen:
-            self.seen.append(index)
+        seen = self.seen[self.in_backward]
+        if index not in seen:
+            seen.append(index)
 
     def release(self, index: int) -> None:
         """Free bucket `index`'s full parameters (waiting first if its gather is in flight)."""
@@ -235,14 +249,18 @@ class Resident:
             self.release(index)
         self.current = None
 
-    def _prefetch(self, index: int, direction: int) -> None:
-        if index not in self.position:
+    @property
+    def learned(self) -> BucketOrder:
+        """This step's first-use orders (the next step prefetches along them)."""
+        return BucketOrder(tuple(self.seen[0]), tuple(self.seen[1]))
+
+    def _prefetch(self, index: int) -> None:
+        order = self.order[self.in_backward]
+        at = self.position[self.in_backward].get(index)
+        if at is None:
             return
-        at = self.position[index]
-        for step in range(1, self.prefetch + 1):
-            nxt = at + direction * step
-            if 0 <= nxt < len(self.order):
-                self._issue(self.order[nxt])
+        for ahead in order[at + 1 : at + 1 + self.prefetch]:
+            self._issue(ahead)
 
     # -- forward: module hooks --
 
@@ -254,7 +272,7 @@ class Resident:
             for index in triggers[module]:
                 self.gather(index)
                 self.active[index] += 1
-                self._prefetch(index, +1)
+                self._prefetch(index)
 
         def post(module: nn.Module, args: Any, output: Any) -> None:
             for index in triggers[module]:
@@ -290,7 +308,7 @@ class Resident:
             self.release(self.current)
         self.current = index
         self.gather(index)
-        self._prefetch(index, -1)
+        self._prefetch(index)
         flat = self.full[index]
         out = torch.empty(0, dtype=flat.dtype, device=flat.device)
         return out.set_(flat.untyped_storage(), saved.offset, saved.shape, saved.stride)
@@ -298,8 +316,14 @@ class Resident:
     def after_forward(self) -> None:
         """Release everything, then start gathering the bucket backward needs first."""
         self.release_all()
-        if self.order:
-            self._issue(self.order[-1])
+        self.in_backward = True
+        if self.order.backward and self.prefetch:
+            self._issue(self.order.backward[0])
+
+    def after_backward(self) -> None:
+        """Release everything; the next micro-batch starts a forward."""
+        self.release_all()
+        self.in_backward = False
 
 
 def _shared(a: list[str], b: list[str]) -> int:

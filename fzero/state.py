@@ -102,8 +102,9 @@ class ShardState:
     buffers: dict[str, Tensor]
     config: ShardConfig
     loss_scale: LossScale | None = None
-    bucket_order: tuple[int, ...] | None = None
-    """Stage 3: buckets in the order the last forward first used them (drives prefetch)."""
+    bucket_order: Any = None
+    """Stage 3: a `fzero.buckets.BucketOrder`, the order the last step's forward and backward
+    first needed each bucket (drives prefetch); None before the first step."""
 
     @property
     def trainable(self) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fzero.buckets import GradBuckets, Resident, leaves_over, trigger_modules
+from fzero.buckets import BucketOrder, GradBuckets, Resident, leaves_over, trigger_modules
 from fzero.collect import Streams, all_gather_bucket, reduce_scatter_bucket
 from fzero.flat import unflatten
 from fzero.layout import Bucket, Entry
@@ -377,7 +377,7 @@ def _sharded(
         loss.backward()
         assert grad_buckets is not None
         grad_buckets.finish()
-        resident.release_all()
+        resident.after_backward()
 
     try:
         yield _Session(forward, backward, info)
@@ -385,7 +385,8 @@ def _sharded(
         resident.release_all()
         if grad_buckets is not None:
             grad_buckets.close()
-        info["order"] = tuple(resident.seen) or state.bucket_order
+        learned = resident.learned
+        info["order"] = learned if learned.forward else state.bucket_order
         info["gathered_bytes_peak"] = resident.peak_bytes
 
 
@@ -537,7 +538,8 @@ def _entry_view(flat: Tensor, entry: Entry) -> Tensor:
     return flat[entry.offset : entry.end].view(entry.shape)
 
 
-def _registration_order(model: nn.Module, triggers: dict[nn.Module, list[int]]) -> list[int]:
-    """First-step guess of forward order: trigger modules in registration order."""
+def _registration_order(model: nn.Module, triggers: dict[nn.Module, list[int]]) -> BucketOrder:
+    """First-step guess: forward in module registration order, backward in reverse."""
     rank = {id(m): i for i, (_, m) in enumerate(model.named_modules(remove_duplicate=False))}
-    return [b for m in sorted(triggers, key=lambda m: rank[id(m)]) for b in triggers[m]]
+    forward = tuple(b for m in sorted(triggers, key=lambda m: rank[id(m)]) for b in triggers[m])
+    return BucketOrder(forward, forward[::-1])
