@@ -71,6 +71,8 @@ class GradBuckets:
         self.ready = [0] * len(layout.buckets)
         self.done = [False] * len(layout.buckets)
         self.pending: list[tuple[int, Pending]] = []
+        self.live_bytes = 0  # full flat gradient buffers alive (being reduced)
+        self.peak_bytes = 0
         self.handles = [
             leaf.register_post_accumulate_grad_hook(self._hook(index))
             for index, bucket in enumerate(layout.buckets)
@@ -92,6 +94,8 @@ class GradBuckets:
         assert target is not None and not self.done[index]
         leaves = self.leaves[index]
         flat = torch.zeros(bucket.padded_numel, dtype=target.dtype, device=target.device)
+        self.live_bytes += flat.numel() * flat.element_size()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         with torch.no_grad():
             for entry, leaf in zip(bucket.entries, leaves, strict=True):
                 if leaf.grad is not None:
@@ -108,6 +112,7 @@ class GradBuckets:
         target = self.grads[index]
         assert target is not None
         target.add_(pending.wait())
+        self.live_bytes -= self.layout.buckets[index].padded_numel * target.element_size()
 
     def finish(self) -> None:
         """After a backward: reduce the buckets some of whose leaves got no gradient, wait all.

@@ -18,8 +18,9 @@ copy); otherwise it is an fp32 copy. Memory is counted per storage, so views cou
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 from fzero import memory
 from fzero.comm import Comm, fingerprint_check
 from fzero.flat import flatten
-from fzero.layout import Bucket, ShardLayout, plan
+from fzero.layout import Bucket, Entry, ShardLayout, plan
 from fzero.optim import Optimizer
 
 __all__ = [
@@ -150,11 +151,18 @@ def init(
     reduce_dtype: torch.dtype | None = None,
     trainable: Any = None,
     device: torch.device | str | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    load: Callable[[Sequence[str]], Mapping[str, Tensor]] | None = None,
 ) -> ShardState:
-    """Build a rank's `ShardState` from a materialized model or a state dict (a collective).
+    """Build a rank's `ShardState` from a model or a state dict (a collective).
 
     Rank 0's values are the truth: every bucket is broadcast from rank 0, one bucket at a time,
     and each rank keeps what its stage stores (see the module table). All ranks must call it.
+
+    A model on the ``meta`` device is materialized bucket by bucket (sharded init, like
+    DeepSpeed's ``zero.Init`` or FSDP2's meta-device init): only one bucket's full values exist
+    at a time, so peak memory is one bucket plus the shards. Its values come from `init_fn` or
+    `load`.
 
     Args:
         model: the `nn.Module` (its parameters and buffers), or a mapping of parameter names to
@@ -170,6 +178,17 @@ def init(
         reduce_dtype: dtype gradients are reduced and kept in; default `param_dtype`.
         trainable: which parameters train, as for `fzero.plan` (default ``requires_grad``).
         device: where the state lives; default the comm's device (CPU for gloo).
+        init_fn: for a ``meta`` model: ``init_fn(module)`` initializes, in place and under
+            ``torch.no_grad()``, the module's *own* parameters and buffers (materialized with
+            uninitialized memory; its children stay on ``meta``, where operations are free
+            no-ops). It is called once per module that owns parameters of a bucket, in bucket
+            order, then for modules owning buffers. With the same seed, the values equal those of
+            materializing the whole model and calling `init_fn` on each of ``model.modules()``
+            in order (bucket order follows parameter order, which follows that order), except
+            that a tied parameter is initialized once, by its first owner.
+        load: for a ``meta`` model: ``load(names) -> {name: tensor}`` returns the values of the
+            named parameters (one bucket at a time) and, last, of the buffers. Called on rank 0
+            only (its values are broadcast), so a checkpoint is read once.
 
     Returns:
         The state at step 0, with zero gradients and fresh optimizer moments.
@@ -196,21 +215,10 @@ def init(
     layout = source_layout.cast(param_dtype) if param_dtype is not None else source_layout
     fingerprint_check(comm, layout.fingerprint, "layout fingerprint (parameter names, shapes "
                       "and dtypes)")
-    tensors = (
-        dict(model.named_parameters(remove_duplicate=False))
-        if isinstance(model, nn.Module) else dict(model)
-    )
-    meta = sorted(name for name, t in tensors.items() if t.is_meta)
-    if meta:
-        raise ValueError(
-            f"init needs materialized parameters, but {meta[:5]} are on the meta device"
-        )
+    source = _bucket_source(model, comm.rank, device, init_fn, load)
     params, grads, master = [], [], []
     for index, bucket in enumerate(source_layout.buckets):
-        sub = ShardLayout((bucket,), comm.world_size)
-        names = {entry.name: tensors[entry.name] for entry in bucket.entries}
-        (truth,) = flatten(names, sub)  # (padded,) in the model's own dtype
-        truth = truth.to(device)
+        truth = source(bucket)  # (padded,) in the model's own dtype, on `device`
         comm.broadcast(truth, src=0)
         # Stage 3 keeps a copy of its shard, so the full buffer is freed after this bucket.
         kept = _keep(truth, bucket, comm.rank, full=stage < 3)
@@ -233,14 +241,10 @@ def init(
     trainable_master = [m for m in master if m is not None]
     moments = optimizer.init(trainable_master)
     moments = {name: _spread(values, master) for name, values in moments.items()}
-    buffers = {}
-    if isinstance(model, nn.Module):
-        for name, buffer in model.named_buffers():
-            value = buffer.detach().to(device).clone()
-            flat = value.reshape(-1)
-            if flat.numel():
-                comm.broadcast(flat, src=0)
-            buffers[name] = value
+    buffers = _buffers(model, comm.rank, device, init_fn, load)
+    for value in buffers.values():
+        if value.numel():
+            comm.broadcast(value.view(-1), src=0)
     config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device)
     loss_scale = LossScale() if param_dtype == torch.float16 else None
     return ShardState(
@@ -287,6 +291,131 @@ def state_bytes_theory(state: ShardState) -> float:
         size = bucket.numel * bucket.torch_dtype.itemsize
         total += size / world if state.stage == 3 else size
     return total
+
+
+# --- where initial values come from ------------------------------------------------------------
+
+
+def _bucket_source(
+    model: nn.Module | Mapping[str, Tensor],
+    rank: int,
+    device: torch.device,
+    init_fn: Callable[[nn.Module], None] | None,
+    load: Callable[[Sequence[str]], Mapping[str, Tensor]] | None,
+) -> Callable[[Bucket], Tensor]:
+    """``source(bucket) -> (padded_numel,)`` flat values of the bucket on `device`.
+
+    On ranks other than 0 the values of `load` are never read (rank 0's are broadcast), so
+    they get an uninitialized buffer of the right size instead.
+    """
+    tensors = (
+        dict(model.named_parameters(remove_duplicate=False))
+        if isinstance(model, nn.Module) else dict(model)
+    )
+    meta = [name for name, t in tensors.items() if t.is_meta]
+    if not meta:
+        if init_fn is not None or load is not None:
+            raise ValueError("init_fn= and load= are for a model on the meta device; this "
+                             "model's parameters are materialized already")
+        return lambda bucket: _flat_of(bucket, {e.name: tensors[e.name] for e in bucket.entries},
+                                       device)
+    if (init_fn is None) == (load is None):
+        raise ValueError(
+            f"parameters {meta[:5]} are on the meta device: pass exactly one of init_fn= "
+            f"(initialize each module's own parameters) or load= (read them by name)"
+        )
+    if load is not None:
+        def loaded(bucket: Bucket) -> Tensor:
+            if rank != 0:
+                return torch.empty(bucket.padded_numel, dtype=bucket.torch_dtype, device=device)
+            values = load([entry.name for entry in bucket.entries])
+            return _flat_of(bucket, _pick(values, bucket.entries, "load"), device)
+        return loaded
+    if not isinstance(model, nn.Module):
+        raise TypeError("init_fn= needs the nn.Module (on the meta device), not a state dict")
+
+    def initialized(bucket: Bucket) -> Tensor:
+        values: dict[str, Tensor] = {}
+        for prefix, names in _owners([e.name for e in bucket.entries]).items():
+            module = _materialized(model.get_submodule(prefix), device, init_fn)
+            for name in names:
+                values[name] = getattr(module, name.rsplit(".", 1)[-1])
+        return _flat_of(bucket, values, device)
+
+    return initialized
+
+
+def _buffers(
+    model: nn.Module | Mapping[str, Tensor],
+    rank: int,
+    device: torch.device,
+    init_fn: Callable[[nn.Module], None] | None,
+    load: Callable[[Sequence[str]], Mapping[str, Tensor]] | None,
+) -> dict[str, Tensor]:
+    """The model's buffers on `device` (rank 0's values are broadcast afterwards)."""
+    if not isinstance(model, nn.Module):
+        return {}
+    named = dict(model.named_buffers())
+    if not any(b.is_meta for b in named.values()):
+        return {name: b.detach().to(device).clone() for name, b in named.items()}
+    if load is not None:
+        if rank != 0:
+            return {n: torch.empty(b.shape, dtype=b.dtype, device=device) for n, b in named.items()}
+        values = load(list(named))
+        return {n: values[n].detach().to(device, b.dtype).clone() for n, b in named.items()}
+    assert init_fn is not None
+    out = {}
+    for prefix, names in _owners(list(named)).items():
+        module = _materialized(model.get_submodule(prefix), device, init_fn)
+        for name in names:
+            out[name] = getattr(module, name.rsplit(".", 1)[-1]).detach()
+    return out
+
+
+def _owners(names: Sequence[str]) -> dict[str, list[str]]:
+    """Group dotted names by the module that owns them, in first-seen order."""
+    owners: dict[str, list[str]] = {}
+    for name in names:
+        owners.setdefault(name.rsplit(".", 1)[0] if "." in name else "", []).append(name)
+    return owners
+
+
+def _materialized(
+    module: nn.Module, device: torch.device, init_fn: Callable[[nn.Module], None]
+) -> nn.Module:
+    """A copy of `module` with its own parameters and buffers on `device`, initialized."""
+    shadow = copy.deepcopy(module)  # meta: no memory
+    shadow.to_empty(device=device, recurse=False)
+    with torch.no_grad():
+        init_fn(shadow)
+    return shadow
+
+
+def _pick(
+    values: Mapping[str, Tensor], entries: Sequence[Entry], what: str
+) -> dict[str, Tensor]:
+    picked = {}
+    for entry in entries:
+        name = next((n for n in entry.names if n in values), None)
+        if name is None:
+            raise ValueError(f"{what}() returned no value for parameter {entry.name!r}")
+        picked[entry.name] = values[name]
+    return picked
+
+
+def _flat_of(bucket: Bucket, values: Mapping[str, Tensor], device: torch.device) -> Tensor:
+    """The bucket's values flattened and padded, on `device`."""
+    sub = ShardLayout((bucket,), bucket.world_size)
+    cast = {}
+    for entry in bucket.entries:
+        value = values[entry.name].detach()
+        if tuple(value.shape) != entry.shape:
+            raise ValueError(
+                f"parameter {entry.name!r} has shape {tuple(value.shape)}, expected {entry.shape}"
+            )
+        cast[entry.name] = value.to(device=device, dtype=bucket.torch_dtype)
+    (flat,) = flatten(cast, sub)
+    return flat
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -85,7 +85,8 @@ def make_train_step(
         ``grad_norm`` (before clipping), ``skipped`` (non-finite gradients: no update), ``lr``,
         ``step``, ``comm_bytes`` (this rank's bytes sent, ring accounting) and
         ``comm_bytes_by_kind``, ``state_bytes``, ``state_bytes_theory`` and
-        ``gathered_bytes_peak`` (stage 3's full buckets at their largest; 0 otherwise).
+        ``gathered_bytes_peak`` (stage 3's full buckets at their largest; 0 otherwise) and
+        ``grad_bytes_peak`` (stages 2-3: full bucket gradients being reduced, at their largest).
 
     Raises:
         ValueError: bad `accum_steps`, `clip_norm` or `prefetch`.
@@ -174,6 +175,7 @@ def make_train_step(
             "state_bytes": state_bytes(new_state),
             "state_bytes_theory": state_bytes_theory(new_state),
             "gathered_bytes_peak": session_info.get("gathered_bytes_peak", 0),
+            "grad_bytes_peak": session_info.get("grad_bytes_peak", 0),
         }
         if new_state.loss_scale is not None:
             metrics["loss_scale"] = new_state.loss_scale.scale
@@ -329,11 +331,13 @@ def _replicated(
         if grad_buckets is not None:
             grad_buckets.finish()
 
+    info: dict[str, Any] = {}
     try:
-        yield _Session(forward, backward, {})
+        yield _Session(forward, backward, info)
     finally:
         if grad_buckets is not None:
             grad_buckets.close()
+            info["grad_bytes_peak"] = grad_buckets.peak_bytes
 
 
 @contextlib.contextmanager
@@ -385,6 +389,7 @@ def _sharded(
         resident.release_all()
         if grad_buckets is not None:
             grad_buckets.close()
+            info["grad_bytes_peak"] = grad_buckets.peak_bytes
         learned = resident.learned
         info["order"] = learned if learned.forward else state.bucket_order
         info["gathered_bytes_peak"] = resident.peak_bytes
