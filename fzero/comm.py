@@ -14,7 +14,8 @@ and s = the per-rank (small side) numel, the collectives are, for every rank r:
     broadcast:       tensor_r <- tensor_src
 
 "avg" is the sum divided by N (not a sum of pre-divided terms): that is what gloo's and NCCL's
-`ReduceOp.AVG` compute.
+`ReduceOp.AVG` compute. A reduce-scatter's input is scratch: its contents are unspecified
+afterwards (`TorchComm` over gloo reduces in place).
 
 [Note: ring accounting]
 `CommCounters` charges each rank the bytes it sends in a bandwidth-optimal ring implementation,
@@ -72,6 +73,9 @@ REDUCE_SCATTER_OPS: tuple[str, ...] = ("sum", "avg")
 """Reductions `Comm.reduce_scatter` accepts."""
 ALL_REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
 """Reductions `Comm.all_reduce` accepts."""
+
+TRANSPORTS: tuple[str, ...] = ("single", "per_rank")
+"""How `TorchComm` implements all-gather and reduce-scatter (see its docstring)."""
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """Collective timeout `init_distributed` passes to the process group by default."""
@@ -324,6 +328,8 @@ class CommBase:
         Args:
             output: Contiguous 1-D tensor of s elements, receives this rank's reduced chunk.
             input: Contiguous 1-D tensor of `world_size * s` elements, same dtype and device.
+                It is scratch: its contents are unspecified afterwards (a transport may reduce
+                in place).
             op: "sum" or "avg" (the sum divided by world_size).
             async_op: Return a `Work` handle instead of waiting.
 
@@ -440,28 +446,30 @@ def _reduce_op(op: str) -> Any:
 
 
 class _TorchWork:
-    """A torch `Work` whose `wait()` returns None and then runs an optional epilogue once."""
+    """Torch `Work`s (one or several) whose `wait()` returns None, then runs an optional
+    epilogue once."""
 
-    __slots__ = ("_work", "_timeout", "_then")
+    __slots__ = ("_works", "_timeout", "_then")
 
     def __init__(
         self, work: Any, timeout: timedelta | None, then: Callable[[], object] | None
     ) -> None:
-        self._work = work
+        self._works = work if isinstance(work, list) else [work]
         self._timeout = timeout
         self._then = then
 
     def wait(self) -> None:
-        if self._timeout is None:
-            self._work.wait()
-        else:
-            self._work.wait(self._timeout)
+        for work in self._works:
+            if self._timeout is None:
+                work.wait()
+            else:
+                work.wait(self._timeout)
         then, self._then = self._then, None
         if then is not None:
             then()
 
     def is_completed(self) -> bool:
-        return bool(self._work.is_completed())
+        return all(bool(work.is_completed()) for work in self._works)
 
 
 def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
@@ -485,6 +493,7 @@ class TorchComm(CommBase):
         group: The process group; None for the default group.
         timeout: If given, the CPU-side wait of every collective is bounded by it (on NCCL this
             makes `wait()` block the CPU). None: the group's own timeout applies.
+        transport: ``"single"`` or ``"per_rank"`` (see above); None picks by backend.
 
     Attributes:
         group: The process group (None: the default group).
@@ -495,7 +504,13 @@ class TorchComm(CommBase):
         ValueError: If no process group is initialized or this process is not in `group`.
     """
 
-    def __init__(self, group: Any = None, *, timeout: timedelta | float | None = None) -> None:
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        timeout: timedelta | float | None = None,
+        transport: str | None = None,
+    ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(NO_GROUP_HELP)
         rank = dist.get_rank(group)
@@ -511,6 +526,14 @@ class TorchComm(CommBase):
         self.timeout = _as_timedelta(timeout)
         self._ops = _single_tensor_collectives()
         self._native_avg = True
+        if transport is None:
+            transport = "per_rank" if self.backend == "gloo" else "single"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.transport = transport
+        self._global_ranks = [
+            r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)
+        ]
 
     def _issue(
         self,
@@ -518,7 +541,7 @@ class TorchComm(CommBase):
         async_op: bool,
         then: Callable[[], object] | None = None,
     ) -> Work | None:
-        if async_op or self.timeout is not None:
+        if async_op or self.timeout is not None or self.transport == "per_rank":
             work = _TorchWork(start(True), self.timeout, then)
             if async_op:
                 return work
@@ -548,12 +571,36 @@ class TorchComm(CommBase):
         return self._issue(lambda a: start(torch_op, a), async_op)
 
     def _all_gather(self, output: Tensor, input: Tensor, async_op: bool) -> Work | None:
+        if self.transport == "per_rank":
+            s = input.numel()
+            output[self.rank * s : (self.rank + 1) * s].copy_(input)
+            works = [
+                dist.broadcast(output[q * s : (q + 1) * s], src=src, group=self.group,
+                               async_op=True)
+                for q, src in enumerate(self._global_ranks)
+            ]
+            return self._issue(lambda a: works, async_op)
         fn = self._ops.all_gather
         return self._issue(lambda a: fn(output, input, group=self.group, async_op=a), async_op)
 
     def _reduce_scatter(
         self, output: Tensor, input: Tensor, op: str, async_op: bool
     ) -> Work | None:
+        if self.transport == "per_rank":
+            s, n = output.numel(), self.world_size
+            works = [
+                dist.reduce(input[q * s : (q + 1) * s], dst=dst, op=dist.ReduceOp.SUM,
+                            group=self.group, async_op=True)
+                for q, dst in enumerate(self._global_ranks)
+            ]
+            mine = input[self.rank * s : (self.rank + 1) * s]
+
+            def finish() -> None:
+                output.copy_(mine)
+                if op == "avg":
+                    output.div_(n)  # what ReduceOp.AVG computes: the sum divided by N
+
+            return self._issue(lambda a: works, async_op, then=finish)
         fn = self._ops.reduce_scatter
 
         def start(torch_op: Any, a: bool) -> Any:

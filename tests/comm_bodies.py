@@ -39,7 +39,7 @@ def all_gather_body(comm: Comm, inputs: list[Tensor], async_op: bool = False) ->
 def reduce_scatter_body(
     comm: Comm, inputs: list[Tensor], op: str, async_op: bool = False
 ) -> Tensor:
-    x = inputs[comm.rank]
+    x = inputs[comm.rank].clone()  # a reduce-scatter's input is scratch (may be reduced in place)
     out = torch.full((x.numel() // comm.world_size,), float("nan"), dtype=x.dtype, device=x.device)
     _finish(comm.reduce_scatter(out, x, op=op, async_op=async_op))
     return out
@@ -157,3 +157,16 @@ def subgroup_body(comm: TorchComm, inputs: list[Tensor]) -> dict[str, Any] | Non
         "broadcast": broadcast_body(sub, sub_inputs, src=1),
         "all_reduce": all_reduce_body(sub, sub_inputs, "sum"),
     }
+
+
+def every_collective_by_transport_body(comm: Comm, inputs: list[Tensor]) -> dict[str, Any]:
+    """`every_collective_body` once per `TorchComm` transport over the worker's group."""
+    from fzero.comm import TRANSPORTS, TorchComm
+
+    return {t: every_collective_body(TorchComm(transport=t), inputs) for t in TRANSPORTS}
+
+
+def bad_transport_body(comm: Comm) -> None:
+    from fzero.comm import TorchComm
+
+    TorchComm(transport="carrier-pigeon")

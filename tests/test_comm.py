@@ -567,6 +567,31 @@ def test_gloo_every_collective(gloo_pool: Any, n: int, dtype: torch.dtype) -> No
         assert res["counters"] == sim["counters"] == expected_counters(n, numel, dtype.itemsize)
 
 
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_transports_agree(gloo_pool: Any, n: int) -> None:
+    """Broadcast/reduce per rank (gloo's default) and the single-tensor collectives: the same
+    results (bitwise at 2 ranks, one addition) and the same logical byte counts."""
+    inputs = cb.make_inputs(n, n * SHARD, torch.float32)
+    for r, res in enumerate(gloo_pool(n).run(cb.every_collective_by_transport_body, inputs)):
+        per_rank, single = res["per_rank"], res["single"]
+        exact(per_rank["all_gather"], single["all_gather"])
+        for op in ("sum", "avg"):
+            got, want = per_rank[f"reduce_scatter/{op}"], single[f"reduce_scatter/{op}"]
+            if n == 2:
+                exact(got, want)
+            else:
+                atol = order_tolerance(inputs, op)
+                torch.testing.assert_close(got, ref_reduce_scatter(inputs, op, r), rtol=0,
+                                           atol=atol)
+        assert per_rank["counters"] == single["counters"]
+
+
+def test_unknown_transport_is_rejected(gloo_pool: Any) -> None:
+    with pytest.raises(WorkerError, match="transport must be one of"):
+        gloo_pool(2).run(cb.bad_transport_body)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_gloo_single_collectives(gloo_pool: Any, n: int) -> None:
     pool = gloo_pool(n)
