@@ -17,7 +17,7 @@ module structure, which are the same on every rank; nothing here depends on rank
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -29,8 +29,6 @@ from fzero.layout import Bucket, ShardLayout
 
 __all__ = ["BucketOrder", "GradBuckets", "Resident", "leaves_over", "trigger_modules"]
 
-# In flight at once: a bucket being reduced plus the next one (bounds gradient memory).
-MAX_PENDING_REDUCES = 2
 
 
 def leaves_over(flat: Tensor, bucket: Bucket) -> list[Tensor]:
@@ -52,7 +50,8 @@ class GradBuckets:
     When every leaf of a bucket has accumulated (post-accumulate-grad hook), its gradients are
     copied into one flat padded buffer, the leaves' ``.grad`` freed, and the buffer
     reduce-scattered (averaged) asynchronously; `finish` waits and adds each rank's result into
-    ``grads[b]`` (its gradient shard, accumulating over micro-batches).
+    ``grads[b]`` (its gradient shard, accumulating over micro-batches). `on_complete(b)` runs
+    right after a bucket's reduce-scatter is issued.
     """
 
     def __init__(
@@ -62,8 +61,10 @@ class GradBuckets:
         leaves: Sequence[Sequence[Tensor]],
         grads: Sequence[Tensor | None],
         streams: Streams | None,
+        on_complete: Callable[[int], None] | None = None,
     ) -> None:
         self.comm = comm
+        self.on_complete = on_complete
         self.layout = layout
         self.leaves = leaves
         self.grads = grads
@@ -92,6 +93,11 @@ class GradBuckets:
         bucket = self.layout.buckets[index]
         target = self.grads[index]
         assert target is not None and not self.done[index]
+        # One reduce-scatter in flight: it overlapped this bucket's backward; settle it before
+        # flattening this one, so at most this bucket's leaf gradients and its flat copy (two
+        # buckets' worth) are alive.
+        while self.pending:
+            self._settle(*self.pending.pop(0))
         leaves = self.leaves[index]
         flat = torch.zeros(bucket.padded_numel, dtype=target.dtype, device=target.device)
         self.live_bytes += flat.numel() * flat.element_size()
@@ -105,8 +111,8 @@ class GradBuckets:
         self.pending.append(
             (index, reduce_scatter_bucket(self.comm, bucket, flat, streams=self.streams))
         )
-        while len(self.pending) > MAX_PENDING_REDUCES:
-            self._settle(*self.pending.pop(0))
+        if self.on_complete is not None:
+            self.on_complete(index)
 
     def _settle(self, index: int, pending: Pending) -> None:
         target = self.grads[index]
@@ -135,22 +141,22 @@ class GradBuckets:
 
 
 def trigger_modules(model: nn.Module, layout: ShardLayout) -> dict[nn.Module, list[int]]:
-    """For each bucket, the module whose forward needs it: the deepest common ancestor of every
-    name (aliases included) stored in the bucket."""
+    """For each module that directly owns parameters (aliases included), the buckets they are
+    stored in: the buckets its forward needs."""
     modules = dict(model.named_modules(remove_duplicate=False))
     triggers: dict[nn.Module, list[int]] = {}
     for index, bucket in enumerate(layout.buckets):
-        paths = [name.split(".")[:-1] for name in bucket.names]
-        common = paths[0]
-        for path in paths[1:]:
-            common = common[: _shared(common, path)]
-        module = modules[".".join(common)]
-        triggers.setdefault(module, []).append(index)
+        for name in bucket.names:
+            module = modules[name.rsplit(".", 1)[0] if "." in name else ""]
+            needs = triggers.setdefault(module, [])
+            if index not in needs:
+                needs.append(index)
     return triggers
 
 
 class BucketOrder(NamedTuple):
-    """The order buckets were first needed in a step's forward and in its backward."""
+    """The sequence in which a step's forward and its backward used buckets (consecutive
+    repeats collapsed); the next step prefetches along it."""
 
     forward: tuple[int, ...]
     backward: tuple[int, ...]
@@ -164,13 +170,28 @@ class _Saved(NamedTuple):
 
 
 class Resident:
-    """Stage 3's full parameters: gathered just in time, released after use, re-gathered for
-    backward, with up to `prefetch` buckets gathered ahead along the order the previous step
-    used (forward and backward orders are learned separately: backward needs only the buckets
-    whose parameters autograd saved, e.g. not an embedding's).
+    """Stage 3's full parameters: gathered just in time, released when no longer needed,
+    re-gathered for backward, with `prefetch` buckets gathered ahead.
 
+    [Note: residency]
     Each bucket's full flat buffer keeps its tensor (and the parameter leaves aliasing it) for
-    the whole step; its storage is resized to zero bytes whenever the bucket is released.
+    the whole step; releasing a bucket resizes its storage to zero bytes.
+
+    Forward: a module's pre-hook marks the buckets holding its own parameters active and
+    touches them: each is gathered (or its prefetch waited on), every other resident bucket
+    that is neither active nor among the next `prefetch` buckets of the learned forward
+    sequence is released, and those next buckets are prefetched. So at most ``1 + prefetch``
+    buckets (plus those of enclosing modules still running, which own parameters themselves)
+    are gathered at once.
+
+    Backward: autograd unpacks saved parameters through `unpack`, which touches the bucket
+    without releasing anything (one autograd node may unpack parameters of two buckets, and both
+    must stay valid until it has run). Buckets are released between nodes, when a bucket's
+    gradients are complete (`on_grads_complete`): every resident bucket except the next
+    `prefetch` of the learned backward sequence. A bucket needed again later is gathered again.
+
+    The learned sequences come from the previous step; a step that runs differently only
+    prefetches less well (every rank alike: the sequences derive from the graph).
     """
 
     def __init__(
@@ -187,10 +208,6 @@ class Resident:
         self.shards = shards
         self.streams = streams
         self.order = order
-        self.position = (
-            {bucket: i for i, bucket in enumerate(order.forward)},
-            {bucket: i for i, bucket in enumerate(order.backward)},
-        )
         self.prefetch = prefetch
         self.full: list[Tensor] = []
         self.leaves: list[list[Tensor]] = []
@@ -204,9 +221,9 @@ class Resident:
         self.resident: set[int] = set()
         self.by_pointer: dict[int, int] = {}
         self.active = [0] * len(layout.buckets)
-        self.current: int | None = None  # the bucket backward is working on
-        self.in_backward = False
-        self.seen: tuple[list[int], list[int]] = ([], [])  # first-use orders this step
+        self.phase = 0  # 0: forward, 1: backward
+        self.cursor: int | None = None  # position in the learned sequence of this phase
+        self.used: tuple[list[int], list[int]] = ([], [])  # this step's use sequences
         self.live_bytes = 0
         self.peak_bytes = 0
 
@@ -225,16 +242,12 @@ class Resident:
             streams=self.streams,
         )
 
-    def gather(self, index: int) -> None:
-        """Make bucket `index` resident (waiting for its all-gather)."""
+    def _gather(self, index: int) -> None:
         if index in self.resident:
             return
         self._issue(index)
         self.inflight.pop(index).wait()
         self.resident.add(index)
-        seen = self.seen[self.in_backward]
-        if index not in seen:
-            seen.append(index)
 
     def release(self, index: int) -> None:
         """Free bucket `index`'s full parameters (waiting first if its gather is in flight)."""
@@ -252,38 +265,73 @@ class Resident:
         """Free every gathered or in-flight bucket (in bucket order, alike on every rank)."""
         for index in sorted({*self.resident, *self.inflight}):
             self.release(index)
-        self.current = None
+
+    # -- the learned sequences --
 
     @property
     def learned(self) -> BucketOrder:
-        """This step's first-use orders (the next step prefetches along them)."""
-        return BucketOrder(tuple(self.seen[0]), tuple(self.seen[1]))
+        """This step's use sequences (the next step prefetches along them)."""
+        return BucketOrder(tuple(self.used[0]), tuple(self.used[1]))
 
-    def _prefetch(self, index: int) -> None:
-        order = self.order[self.in_backward]
-        at = self.position[self.in_backward].get(index)
-        if at is None:
+    def _advance(self, index: int) -> None:
+        """Record a use of `index` and move the cursor to it in the learned sequence."""
+        used = self.used[self.phase]
+        if used and used[-1] == index:
             return
-        for ahead in order[at + 1 : at + 1 + self.prefetch]:
+        used.append(index)
+        sequence = self.order[self.phase]
+        at = self.cursor
+        if at is not None and at + 1 < len(sequence) and sequence[at + 1] == index:
+            self.cursor = at + 1
+            return
+        start = 0 if at is None else at + 1
+        found = [i for i in range(start, len(sequence)) if sequence[i] == index]
+        if not found:
+            found = [i for i in range(len(sequence)) if sequence[i] == index]
+        self.cursor = found[0] if found else None
+
+    def _upcoming(self, current: int) -> list[int]:
+        """The next `prefetch` distinct buckets after the cursor, other than `current`."""
+        if self.cursor is None or not self.prefetch:
+            return []
+        ahead: list[int] = []
+        for index in self.order[self.phase][self.cursor + 1 :]:
+            if index != current and index not in ahead:
+                ahead.append(index)
+                if len(ahead) == self.prefetch:
+                    break
+        return ahead
+
+    def _touch(self, index: int, *, evict: bool) -> None:
+        self._advance(index)
+        self._gather(index)
+        upcoming = self._upcoming(index)
+        if evict:
+            self._evict(keep={index, *upcoming})
+        for ahead in upcoming:
             self._issue(ahead)
+
+    def _evict(self, keep: set[int]) -> None:
+        for index in sorted(self.resident | set(self.inflight)):
+            if index not in keep and not self.active[index]:
+                self.release(index)
 
     # -- forward: module hooks --
 
     @contextlib.contextmanager
     def forward_hooks(self, triggers: dict[nn.Module, list[int]]) -> Iterator[None]:
-        """Gather each bucket before its trigger module's forward, release it after."""
+        """Gather the buckets of each module's own parameters before its forward."""
 
         def pre(module: nn.Module, args: Any) -> None:
-            for index in triggers[module]:
-                self.gather(index)
+            needs = triggers[module]
+            for index in needs:
                 self.active[index] += 1
-                self._prefetch(index)
+            for index in needs:
+                self._touch(index, evict=True)
 
         def post(module: nn.Module, args: Any, output: Any) -> None:
             for index in triggers[module]:
                 self.active[index] -= 1
-                if self.active[index] == 0:
-                    self.release(index)
 
         handles = []
         try:
@@ -295,7 +343,7 @@ class Resident:
             for handle in handles:
                 handle.remove()
 
-    # -- backward: saved tensors --
+    # -- backward: saved tensors and completed gradients --
 
     def pack(self, tensor: Tensor) -> Any:
         """Saved-tensor pack hook: parameters of a bucket are saved as a reference."""
@@ -305,39 +353,31 @@ class Resident:
         return _Saved(index, tensor.storage_offset(), tensor.shape, tensor.stride())
 
     def unpack(self, saved: Any) -> Tensor:
-        """Saved-tensor unpack hook: re-gather a released bucket, prefetch the previous one."""
+        """Saved-tensor unpack hook: (re-)gather the bucket, prefetch the next ones."""
         if not isinstance(saved, _Saved):
             return saved
-        index = saved.bucket
-        if self.current is not None and self.current != index and not self.active[self.current]:
-            self.release(self.current)
-        self.current = index
-        self.gather(index)
-        self._prefetch(index)
-        flat = self.full[index]
+        self._touch(saved.bucket, evict=False)
+        flat = self.full[saved.bucket]
         out = torch.empty(0, dtype=flat.dtype, device=flat.device)
         return out.set_(flat.untyped_storage(), saved.offset, saved.shape, saved.stride)
+
+    def on_grads_complete(self, index: int) -> None:
+        """Between autograd nodes: release all but the buckets backward needs next."""
+        if self.phase == 1:
+            current = self.used[1][-1] if self.used[1] else index
+            self._evict(keep=set(self._upcoming(current)))
 
     def after_forward(self) -> None:
         """Release everything, then start gathering the bucket backward needs first."""
         self.release_all()
-        self.in_backward = True
+        self.phase, self.cursor = 1, None
         if self.order.backward and self.prefetch:
             self._issue(self.order.backward[0])
 
     def after_backward(self) -> None:
         """Release everything; the next micro-batch starts a forward."""
         self.release_all()
-        self.in_backward = False
-
-
-def _shared(a: list[str], b: list[str]) -> int:
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count
+        self.phase, self.cursor = 0, None
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

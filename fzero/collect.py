@@ -207,6 +207,7 @@ def collectives(
     located = layout.locate()
 
     def gather_async(shards: Sequence[Tensor], bucket: int) -> Pending:
+        (bucket,) = _bucket_indices(layout, [bucket], len(shards))
         _check_shard(shards[bucket], layout, bucket)
         return all_gather_bucket(comm, layout.buckets[bucket], shards[bucket], streams=streams)
 
@@ -231,20 +232,20 @@ def collectives(
     ) -> tuple[Tensor, ...]:
         """Gradient shards of `buckets` (default all), averaged over ranks.
 
-        Missing gradients count as zero; padding is zero. Every reduce-scatter is issued
-        before the first is waited on.
+        Missing gradients count as zero; padding is zero. Non-floating (integer) buckets have
+        no gradient: their shards are zeros, without communication. Every reduce-scatter is
+        issued before the first is waited on.
         """
         indices = _bucket_indices(layout, buckets, len(layout.buckets))
         _check_grads(grads, layout, located)
-        pending = [
-            reduce_scatter_bucket(
-                comm,
-                layout.buckets[i],
-                _flat_grad(grads, layout.buckets[i], reduce_dtype),
-                streams=streams,
-            )
-            for i in indices
-        ]
+        pending = []
+        for i in indices:
+            bucket = layout.buckets[i]
+            flat = _flat_grad(grads, bucket, reduce_dtype)
+            if not flat.is_floating_point():
+                pending.append(_Ready(flat[: bucket.shard_numel]))
+                continue
+            pending.append(reduce_scatter_bucket(comm, bucket, flat, streams=streams))
         return tuple(p.wait() for p in pending)
 
     return Collectives(gather, scatter_grads, gather_async)
@@ -280,6 +281,8 @@ class _GatherBuckets(torch.autograd.Function):
         pending = []
         for index, flat in zip(info.indices, flat_grads, strict=True):
             bucket = info.layout.buckets[index]
+            if not bucket.torch_dtype.is_floating_point:  # integer buckets have no gradient
+                continue
             if flat is None:  # every rank takes part: a missing gradient is a zero gradient
                 flat = torch.zeros(bucket.padded_numel, dtype=bucket.torch_dtype)
             pending.append((index, reduce_scatter_bucket(
@@ -290,6 +293,15 @@ class _GatherBuckets(torch.autograd.Function):
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+class _Ready(NamedTuple):
+    """A result that needs no communication, waited on like a `Pending`."""
+
+    value: Tensor
+
+    def wait(self) -> Tensor:
+        return self.value
 
 
 def _bucket_indices(
@@ -348,7 +360,8 @@ def _flat_grad(grads: Mapping[str, Tensor], bucket: Bucket, dtype: torch.dtype |
 
     Tied parameters' gradients (under any of their names) are summed, as autograd would.
     """
-    dtype = dtype or bucket.torch_dtype
+    dtype = dtype if dtype is not None and bucket.torch_dtype.is_floating_point else (
+        bucket.torch_dtype)
     device = next((g.device for g in grads.values()), torch.device("cpu"))
     flat = torch.zeros(bucket.padded_numel, dtype=dtype, device=device)
     with torch.no_grad():

@@ -14,7 +14,8 @@ rank holds for parameters, gradients and optimizer state (Rajbhandari et al., SC
 The 2s are `param_bytes` and `grad_bytes` (bf16/fp16 copies). These are the paper's idealised
 numbers: no padding, no activations, no temporary buffers.
 
-Run ``python -m fzero.memory --params 7.5B`` to print a table of GB per rank.
+Run ``python -m fzero.memory --params 7.5B`` to print a table of GB per rank. `measure` runs one
+train step and reports what it really held, split by kind.
 """
 
 from __future__ import annotations
@@ -22,17 +23,19 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 __all__ = [
     "DEFAULT_WORLD_SIZES",
     "STAGES",
     "EstimateRow",
+    "MemoryReport",
     "estimate",
     "estimate_table",
     "format_table",
     "main",
+    "measure",
     "parse_count",
 ]
 
@@ -273,8 +276,93 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-# A `measure(state)` that counts the bytes a ShardState really holds belongs here too; it lands
-# with the state module.
+# ----------------------------------------------------------------------------------------------
+# Measurement: what one train step really holds
+
+
+class MemoryReport(NamedTuple):
+    """One train step's memory on one rank, in bytes.
+
+    Attributes:
+        state_bytes: model state owned between steps (parameters, gradients, master copy,
+            moments; each storage once), the quantity the stage table predicts.
+        gathered_bytes_peak: stage 3's full-parameter buckets alive at once, at their largest.
+        grad_bytes_peak: full bucket gradients alive at once while being reduced (stages 2-3).
+        peak_bytes: the step's peak above the memory in use when it started: from the CUDA
+            caching allocator's statistics, or on CPU from the process's peak resident set
+            (``VmHWM``, reset before the step), which also counts freed-but-cached pages.
+        other_bytes: ``peak_bytes - gathered_bytes_peak - grad_bytes_peak`` (at least 0):
+            activations, autograd buffers and temporaries.
+        source: ``"cuda"`` or ``"rss"``.
+    """
+
+    state_bytes: int
+    gathered_bytes_peak: int
+    grad_bytes_peak: int
+    peak_bytes: int
+    other_bytes: int
+    source: str
+
+
+def measure(step: Callable[[Any, Any], tuple[Any, dict[str, Any]]], state: Any, batch: Any):
+    """Run ``step(state, batch)`` once and report its memory (`MemoryReport`).
+
+    Args:
+        step: a train step from `fzero.make_train_step`.
+        state: its `ShardState`.
+        batch: this rank's batch.
+
+    Returns:
+        ``(state, metrics, report)``: the step's own results and the memory report.
+    """
+    device = state.config.device
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        state, metrics = step(state, batch)
+        torch.cuda.synchronize(device)
+        peak, source = torch.cuda.max_memory_allocated(device) - start, "cuda"
+    else:
+        start = _reset_peak_rss()
+        state, metrics = step(state, batch)
+        peak, source = max(0, _status_bytes("VmHWM") - start), "rss"
+    gathered = int(metrics.get("gathered_bytes_peak", 0))
+    grads = int(metrics.get("grad_bytes_peak", 0))
+    report = MemoryReport(
+        state_bytes=int(metrics["state_bytes"]),
+        gathered_bytes_peak=gathered,
+        grad_bytes_peak=grads,
+        peak_bytes=peak,
+        other_bytes=max(0, peak - gathered - grads),
+        source=source,
+    )
+    return state, metrics, report
+
+
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes; 0 if unavailable."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peak_rss() -> int:
+    """Reset the peak resident set to the current one (Linux); return the current one."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        pass  # not Linux, or not permitted: the peak then covers the process's lifetime
+    return _status_bytes("VmRSS")
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -354,7 +354,8 @@ def _sharded(
             for leaf in leaves:
                 leaf.requires_grad_(False)
     grad_buckets = (
-        GradBuckets(state.config.comm, layout, resident.leaves, state.grads, streams)
+        GradBuckets(state.config.comm, layout, resident.leaves, state.grads, streams,
+                    on_complete=resident.on_grads_complete)
         if train else None
     )
     named = _named(layout.buckets, resident.leaves)
@@ -546,5 +547,9 @@ def _entry_view(flat: Tensor, entry: Entry) -> Tensor:
 def _registration_order(model: nn.Module, triggers: dict[nn.Module, list[int]]) -> BucketOrder:
     """First-step guess: forward in module registration order, backward in reverse."""
     rank = {id(m): i for i, (_, m) in enumerate(model.named_modules(remove_duplicate=False))}
-    forward = tuple(b for m in sorted(triggers, key=lambda m: rank[id(m)]) for b in triggers[m])
-    return BucketOrder(forward, forward[::-1])
+    forward: list[int] = []
+    for module in sorted(triggers, key=lambda m: rank[id(m)]):
+        for index in triggers[module]:
+            if not forward or forward[-1] != index:
+                forward.append(index)
+    return BucketOrder(tuple(forward), tuple(forward[::-1]))
