@@ -304,10 +304,10 @@ class Resident:
 
     def _touch(self, index: int, *, evict: bool) -> None:
         self._advance(index)
-        self._gather(index)
         upcoming = self._upcoming(index)
-        if evict:
+        if evict:  # before gathering: the released bucket's memory is reused
             self._evict(keep={index, *upcoming})
+        self._gather(index)
         for ahead in upcoming:
             self._issue(ahead)
 

@@ -119,19 +119,37 @@ class ShardState:
 
 
 def _flatten_state(state: ShardState) -> tuple[list[Any], Any]:
-    children = [state.params, state.grads, state.master, state.moments, state.buffers]
+    # torch's pytree treats None as a leaf: frozen buckets' absent tensors go in the context.
+    present = tuple(g is not None for g in state.grads)
+    children = [
+        state.params,
+        _present(state.grads),
+        _present(state.master),
+        {name: _present(values) for name, values in state.moments.items()},
+        state.buffers,
+    ]
     context = (state.layout, state.stage, state.step, state.config, state.loss_scale,
-               state.bucket_order)
+               state.bucket_order, present)
     return children, context
 
 
 def _unflatten_state(children: Any, context: Any) -> ShardState:
     params, grads, master, moments, buffers = children
-    layout, stage, step, config, loss_scale, bucket_order = context
+    layout, stage, step, config, loss_scale, bucket_order, present = context
     return ShardState(
-        layout, stage, step, tuple(params), tuple(grads), tuple(master), dict(moments),
-        dict(buffers), config, loss_scale, bucket_order,
+        layout, stage, step, tuple(params), _absent(grads, present), _absent(master, present),
+        {name: _absent(values, present) for name, values in moments.items()}, dict(buffers),
+        config, loss_scale, bucket_order,
     )
+
+
+def _present(values: tuple[Tensor | None, ...]) -> tuple[Tensor, ...]:
+    return tuple(v for v in values if v is not None)
+
+
+def _absent(values: Sequence[Tensor], present: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    it = iter(values)
+    return tuple(next(it) if p else None for p in present)
 
 
 pytree.register_pytree_node(
@@ -172,8 +190,8 @@ def init(
         optimizer: an `fzero.optim` optimizer.
         comm: the communicator (`fzero.TorchComm`, or a `SimWorld` rank's comm).
         buckets: bucket policy, as for `fzero.plan`.
-        param_dtype: compute dtype of floating parameters (e.g. ``torch.bfloat16``); default
-            each parameter's own dtype.
+        param_dtype: compute dtype of floating parameters and buffers (e.g.
+            ``torch.bfloat16``, as ``model.to(param_dtype)`` would); default their own dtypes.
         master_dtype: dtype of the optimizer's copy of trainable parameters and its moments.
         reduce_dtype: dtype gradients are reduced and kept in; default `param_dtype`.
         trainable: which parameters train, as for `fzero.plan` (default ``requires_grad``).
@@ -198,7 +216,7 @@ def init(
             shapes or dtypes differ across ranks): every rank raises, naming the ranks.
         TypeError: `optimizer` is not an `fzero.optim.Optimizer`.
     """
-    if stage not in STAGES:
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage=}")
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
@@ -242,6 +260,8 @@ def init(
     moments = optimizer.init(trainable_master)
     moments = {name: _spread(values, master) for name, values in moments.items()}
     buffers = _buffers(model, comm.rank, device, init_fn, load)
+    if param_dtype is not None:  # as model.to(param_dtype) would
+        buffers = {n: b.to(param_dtype) if b.is_floating_point() else b for n, b in buffers.items()}
     for value in buffers.values():
         if value.numel():
             comm.broadcast(value.view(-1), src=0)

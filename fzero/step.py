@@ -144,10 +144,9 @@ def make_train_step(
         next_step = state.step + 1
         step_lr = _resolve_lr(lr, next_step)
         if finite:
-            if clip_norm is not None:
-                coef = clip_coefficient(torch.tensor(grad_norm, device=grads[0].device)
-                                        if grads else torch.tensor(grad_norm), clip_norm)
-                torch._foreach_mul_(grads, coef.item())
+            if clip_norm is not None:  # torch.nn.utils.clip_grad_norm_'s coefficient
+                coef = float(clip_coefficient(torch.tensor(grad_norm), clip_norm))
+                torch._foreach_mul_(grads, coef)
             masters = trainable_only(state.master)
             moments = {k: trainable_only(v) for k, v in state.moments.items()}
             state.config.optimizer.update(

@@ -1,0 +1,670 @@
+"""Tests of fzero.step (make_train_step, make_eval_step, full_params) on SimWorld and gloo ranks.
+
+Every stage must train like single-process torch.optim on the global batch (DESIGN.md: "every
+stage, every world size ... <= 1e-5 relative in fp32"), measure the stage table's bytes, move the
+stage's communication volume, and leave the user's module untouched. Per-rank bodies live in
+tests/step_bodies.py; references are computed here with `models.reference_train`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import fzero
+from fzero.comm import ring_bytes
+from fzero.layout import ShardLayout
+from fzero.simworld import SimWorldError
+
+import step_bodies as sb
+from models import MLP, MODELS, FrozenMix, TinyGPT, reference_train, split_batch
+
+STAGES = (0, 1, 2, 3)
+WORLD_SIZES = (1, 2, 3, 4)
+GLOBAL_BATCH = 12  # divisible by every world size 1..4
+PARITY_STEPS = 20
+RTOL, ATOL = 1e-5, 1e-6  # DESIGN: <= 1e-5 relative in fp32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """Tiny kernels run ~3x slower with intra-op threads fighting the rank threads for 2 cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------------------------
+# References
+
+
+@functools.cache
+def global_batches(name: str, count: int = 4, size: int = GLOBAL_BATCH) -> tuple[Any, ...]:
+    cls = MODELS[name] if name in MODELS else getattr(sb, name)
+    return tuple(cls.make_batch(seed, size) for seed in range(count))
+
+
+def model_of(name: str, seed: int = 0) -> nn.Module:
+    return (MODELS[name] if name in MODELS else getattr(sb, name))(seed=seed)
+
+
+def adamw_factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, **sb.ADAMW)
+
+
+def adamw_two_groups(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The usual split: decay matrices and embeddings, not biases and norm weights."""
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2]},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, **sb.ADAMW)
+
+
+def sgd_factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, **sb.SGD)
+
+
+FACTORIES = {"adamw": adamw_factory, "adamw_groups": adamw_two_groups, "sgd": sgd_factory}
+
+
+@functools.cache
+def reference(
+    name: str, steps: int, opt: str = "adamw", count: int = 4, size: int = GLOBAL_BATCH
+) -> Any:
+    model = model_of(name)
+    return reference_train(
+        model, type(model).loss_fn, global_batches(name, count, size), FACTORIES[opt], steps
+    )
+
+
+def reference_with_norms(
+    model: nn.Module, batches: Sequence[Any], steps: int, clip: float
+) -> tuple[list[float], list[float], dict[str, Tensor]]:
+    """`reference_train` with clipping, also returning each step's pre-clip total norm."""
+    import copy
+
+    model = copy.deepcopy(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adamw_factory(trainable)
+    losses, norms = [], []
+    for i in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = type(model).loss_fn(model, batches[i % len(batches)])
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(trainable, clip).item())
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparisons
+
+
+def assert_losses(actual: Sequence[float], expected: Sequence[float], rtol: float = RTOL) -> None:
+    assert len(actual) == len(expected)
+    torch.testing.assert_close(
+        torch.tensor(actual, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        rtol=rtol,
+        atol=ATOL,
+    )
+
+
+def assert_params(
+    actual: dict[str, Tensor], expected: dict[str, Tensor], model: nn.Module, rtol: float = RTOL
+) -> None:
+    """`actual` (full_params) holds every name the model has, aliases included, and matches."""
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    assert set(actual) == names
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=rtol, atol=ATOL, msg=name)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = next(n for n, p in model.named_parameters() if p is param)
+        assert torch.equal(actual[name], actual[owner]), f"alias {name} differs from {owner}"
+
+
+def assert_ranks_agree(results: list[dict[str, Any]]) -> None:
+    """Every rank reports the same losses and the same full parameters, bitwise."""
+    first = results[0]
+    for other in results[1:]:
+        assert other["losses"] == first["losses"]
+        for name, value in first["params"].items():
+            assert torch.equal(other["params"][name], value), name
+
+
+def run(world: int, body: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+    return fzero.SimWorld(world).run(body, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity: every stage x world size x model, 20 steps of AdamW, fp32
+
+
+@pytest.mark.parametrize("name", ["mlp", "tiny_gpt", "frozen_mix"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_parity_with_torch_adamw(stage: int, world: int, name: str) -> None:
+    ref = reference(name, PARITY_STEPS)
+    model = model_of(name)
+    results = run(world, sb.train_body, model, global_batches(name), PARITY_STEPS, stage=stage)
+    assert_ranks_agree(results)
+    assert_losses(results[0]["losses"], ref.losses)
+    assert_params(results[0]["params"], ref.params, model)
+    assert results[0]["step"] == PARITY_STEPS
+    assert all(not m["skipped"] for m in results[0]["metrics"])
+    assert ref.losses[-1] < ref.losses[0]  # the runs compared actually train
+
+
+@pytest.mark.parametrize("buckets", [None, 100])
+@pytest.mark.parametrize(("stage", "world"), [(0, 2), (1, 3), (2, 4), (3, 3)])
+def test_default_decay_matches_adamw_with_two_param_groups(
+    stage: int, world: int, buckets: int | None
+) -> None:
+    """The default decay rule (none for < 2-dim parameters) is torch's two param groups, also
+    when small buckets (a 100-element cap) make shards cut through parameters everywhere."""
+    ref = reference("tiny_gpt", 10, "adamw_groups")
+    single = reference("tiny_gpt", 10, "adamw")
+    model = TinyGPT()
+    results = run(
+        world, sb.train_body, model, global_batches("tiny_gpt"), 10, stage=stage, decay=None,
+        buckets=buckets,
+    )
+    if buckets is not None:
+        assert len(results[0]["layout"].buckets) > 10
+    assert_losses(results[0]["losses"], ref.losses)
+    assert_params(results[0]["params"], ref.params, model)
+    # The two references differ, so this test tells the rules apart.
+    assert not torch.allclose(ref.params["blocks.0.ln1.bias"], single.params["blocks.0.ln1.bias"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parity_on_gloo(gloo_pool: Any, stage: int, world: int) -> None:
+    ref = reference("tiny_gpt", PARITY_STEPS)
+    model = TinyGPT()
+    results = gloo_pool(world).run(
+        sb.train_body, model, global_batches("tiny_gpt"), PARITY_STEPS, stage=stage
+    )
+    assert_ranks_agree(results)
+    assert_losses(results[0]["losses"], ref.losses)
+    assert_params(results[0]["params"], ref.params, model)
+
+
+def test_uneven_batches_raise_on_every_gloo_rank(gloo_pool: Any) -> None:
+    batch = MLP.make_batch(0, 10)
+    per_rank = [tuple(t[:4] for t in batch), tuple(t[4:] for t in batch)]
+    outcomes = gloo_pool(2).run(sb.raises_body, sb.uneven_batch_body, MLP(), per_rank, 2)
+    for outcome in outcomes:
+        assert outcome is not None and outcome[0] == "ValueError"
+        assert "different sizes" in outcome[1]
+    even = [per_rank[0], per_rank[0]]  # the same body with equal sizes runs fine
+    assert gloo_pool(2).run(sb.raises_body, sb.uneven_batch_body, MLP(), even, 2) == [None, None]
+
+
+# ----------------------------------------------------------------------------------------------
+# Other optimizers, accumulation, clipping
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_sgd_nesterov_parity(stage: int) -> None:
+    ref = reference("tiny_gpt", 10, "sgd")
+    model = TinyGPT()
+    results = run(
+        3, sb.train_body, model, global_batches("tiny_gpt"), 10, stage=stage, opt=("sgd", sb.SGD)
+    )
+    assert_losses(results[0]["losses"], ref.losses)
+    assert_params(results[0]["params"], ref.params, model)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_accumulation_equals_one_big_batch(stage: int) -> None:
+    """accum_steps=4 over each rank's 24 rows == the reference on the whole 48-row batch."""
+    ref = reference("tiny_gpt", 8, "adamw", 2, 48)
+    model = TinyGPT()
+    results = run(
+        2, sb.train_body, model, global_batches("tiny_gpt", 2, 48), 8, stage=stage, accum=4
+    )
+    assert_losses(results[0]["losses"], ref.losses)
+    assert_params(results[0]["params"], ref.params, model)
+
+
+@pytest.mark.parametrize(("stage", "world"), [(0, 3), (1, 2), (2, 3), (3, 4), (3, 1)])
+def test_clipping_matches_clip_grad_norm(stage: int, world: int) -> None:
+    clip, steps = 1.0, 10
+    model = TinyGPT()
+    batches = global_batches("tiny_gpt")
+    losses, norms, params = reference_with_norms(model, batches, steps, clip)
+    assert sum(n > clip for n in norms) >= steps // 2  # clipping is active on most steps
+    results = run(world, sb.train_body, model, batches, steps, stage=stage, clip=clip)
+    out = results[0]
+    assert_losses(out["losses"], losses)
+    assert_params(out["params"], params, model)
+    grad_norms = [m["grad_norm"] for m in out["metrics"]]
+    assert_losses(grad_norms, norms)  # pre-clip global norms, every step
+    unclipped = reference("tiny_gpt", steps)
+    assert not torch.allclose(unclipped.params["tok_emb.weight"], params["tok_emb.weight"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixed precision
+
+# Measured (TinyGPT, 20 steps, AdamW lr 1e-2, batch 12, every stage and N = 1..4): bf16 vs fp32
+# losses differ by at most 0.016 absolute / 0.18 % relative (N=3); the fp32 master copies by at
+# most 0.030 absolute (params are O(1)). Bounds below leave ~5x margin.
+BF16_LOSS_RTOL = 1e-2
+BF16_MASTER_ATOL = 0.15
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "world"), [(0, 2), (1, 3), (2, 4), (3, 2), (3, 3)])
+def test_bf16_trains_close_to_fp32(stage: int, world: int) -> None:
+    model = TinyGPT()
+    batches = global_batches("tiny_gpt")
+    fp32 = reference("tiny_gpt", PARITY_STEPS)
+    out = run(
+        world, sb.train_body, model, batches, PARITY_STEPS, stage=stage,
+        param_dtype=torch.bfloat16, master=True,
+    )[0]
+    losses = out["losses"]
+    assert sum(losses[-4:]) / 4 < 0.5 * losses[0]  # it trains
+    assert_losses(losses, fp32.losses, rtol=BF16_LOSS_RTOL)
+    assert losses != pytest.approx(fp32.losses, rel=1e-6)  # and really computed in bf16
+    params, master = out["params"], out["master"]
+    for name, value in fp32.params.items():
+        assert params[name].dtype == torch.bfloat16
+        assert master[name].dtype == torch.float32
+        torch.testing.assert_close(master[name], value, rtol=0, atol=BF16_MASTER_ATOL)
+        # The compute copy is the master rounded to bf16; the master keeps more bits.
+        assert torch.equal(master[name].to(torch.bfloat16), params[name])
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in master.values())
+
+
+def overflow_batches(bad: int, count: int = 6) -> list[tuple[Tensor, Tensor, Tensor]]:
+    batches = []
+    for i in range(count):
+        x, y = MLP.make_batch(i, GLOBAL_BATCH)
+        factor = torch.full((GLOBAL_BATCH,), math.inf if i == bad else 1.0)
+        batches.append((x.half(), y, factor))
+    return batches
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp16_overflow_skips_exactly_one_step(stage: int) -> None:
+    bad = 2
+    records = run(2, sb.overflow_body, MLP(), overflow_batches(bad), bad, stage=stage)[0]
+    for rec in records:
+        i, m = rec["index"], rec["metrics"]
+        assert m["skipped"] is (i == bad), (i, m)
+        before, after = rec["before"], rec["after"]
+        if i == bad:
+            assert not math.isfinite(m["grad_norm"])
+            assert after["step"] == before["step"] == bad
+            assert rec["scale_after"] == rec["scale_before"] / 2 == m["loss_scale"]
+            for name, value in before["master"].items():
+                assert torch.equal(after["master"][name], value), name
+            for key, values in before["moments"].items():
+                for old, new in zip(values, after["moments"][key], strict=True):
+                    assert (old is None and new is None) or torch.equal(old, new), key
+        else:
+            assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+            assert after["step"] == before["step"] + 1 == m["step"]
+            assert rec["scale_after"] == rec["scale_before"]
+            assert any(
+                not torch.equal(after["master"][n], v) for n, v in before["master"].items()
+            )
+    assert records[-1]["after"]["step"] == len(records) - 1
+
+
+def test_fp16_state_starts_with_a_loss_scale_and_bf16_without() -> None:
+    half = run(1, sb.init_body, MLP(), stage=1, param_dtype=torch.float16)[0]
+    brain = run(1, sb.init_body, MLP(), stage=1, param_dtype=torch.bfloat16)[0]
+    assert half.loss_scale == fzero.LossScale()
+    assert brain.loss_scale is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation and full_params
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_eval_step_matches_reference_forward(stage: int) -> None:
+    steps = 5
+    model = TinyGPT()
+    batches = global_batches("tiny_gpt")
+    probe = TinyGPT.make_batch(99, 6)
+    out = run(2, sb.eval_body, model, batches, steps, probe, stage=stage)
+    ref = reference("tiny_gpt", steps)
+    trained = TinyGPT()
+    trained.load_state_dict(ref.params, strict=False)
+    expected = TinyGPT.loss_fn(trained, probe).item()
+    for rank_out in out:
+        assert rank_out["loss"] == pytest.approx(expected, rel=RTOL)
+        assert rank_out["again"] == rank_out["loss"]
+        assert rank_out["requires_grad"] is False
+        assert rank_out["initial"] == pytest.approx(TinyGPT.loss_fn(model, probe).item(), rel=1e-6)
+        for name, value in rank_out["params_before"].items():
+            assert torch.equal(rank_out["params_after"][name], value)
+    assert out[0]["loss"] != pytest.approx(out[0]["initial"], rel=1e-3)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_full_params_before_any_step_are_the_model(stage: int) -> None:
+    model = FrozenMix()
+    out = run(3, sb.train_body, model, global_batches("frozen_mix"), 0, stage=stage, master=True)
+    for rank_out in out:
+        for name, param in model.named_parameters(remove_duplicate=False):
+            assert torch.equal(rank_out["params"][name], param.detach()), name
+            assert torch.equal(rank_out["master"][name], param.detach()), name
+
+
+# ----------------------------------------------------------------------------------------------
+# Measured memory and communication
+
+
+def x_batch(name: str, dtype: torch.dtype | None, size: int = GLOBAL_BATCH) -> tuple[Tensor, ...]:
+    batch = MODELS[name].make_batch(0, size)
+    if dtype is None or not batch[0].is_floating_point():
+        return batch
+    return (batch[0].to(dtype), *batch[1:])
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("name", ["mlp", "tiny_gpt"])
+def test_state_bytes_metric_is_table_plus_padding(name: str, dtype: torch.dtype | None) -> None:
+    checked_padding = False
+    for stage in STAGES:
+        for world in WORLD_SIZES:
+            metrics = run(
+                world, sb.step_once_body, model_of(name), x_batch(name, dtype), stage=stage,
+                param_dtype=dtype,
+            )
+            layout = metrics[0]["layout"]
+            pad = sb.padding_bytes(layout, stage)
+            checked_padding |= pad > 0
+            for m in metrics:
+                assert m["state_bytes"] == pytest.approx(m["state_bytes_theory"] + pad, abs=1e-6), (
+                    stage, world,
+                )
+            if world == 1:  # no padding at N=1: the table exactly
+                assert metrics[0]["state_bytes"] == metrics[0]["state_bytes_theory"]
+    assert checked_padding
+
+
+def expected_comm(
+    layout: ShardLayout, stage: int, accum: int, itemsize: int
+) -> dict[str, int]:
+    """Ring bytes per step by kind: DESIGN's comm column on the padded bucket sizes."""
+    n = layout.world_size
+    each = sum(ring_bytes("all_gather", b.padded_numel, itemsize, n)
+               for b in layout.buckets if b.trainable)
+    out = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce", "broadcast"), 0)
+    out["all_reduce"] = ring_bytes("all_reduce", 4, 8, n)  # the step's one stats all-reduce
+    if stage == 0:
+        out["all_reduce"] += 2 * each
+    elif stage == 1:
+        out["reduce_scatter"], out["all_gather"] = each, each
+    elif stage == 2:
+        out["reduce_scatter"], out["all_gather"] = accum * each, each
+    else:
+        out["reduce_scatter"], out["all_gather"] = accum * each, 2 * accum * each
+    return out
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_comm_bytes_per_step_follow_the_table(dtype: torch.dtype | None, accum: int) -> None:
+    itemsize = (dtype or torch.float32).itemsize
+    for stage in STAGES:
+        for world in WORLD_SIZES:
+            batch = x_batch("mlp", dtype, 36)  # 36 rows: N * accum divides it for N = 1..4
+            metrics = run(world, sb.step_once_body, MLP(), batch, stage=stage, accum=accum,
+                          param_dtype=dtype)
+            layout = metrics[0]["layout"]
+            want = expected_comm(layout, stage, accum, itemsize)
+            for m in metrics:
+                assert m["comm_bytes_by_kind"] == want, (stage, world)
+                assert m["comm_bytes"] == sum(want.values())
+            psi = sum(b.padded_numel for b in layout.buckets)
+            factor = {0: 2, 1: 2, 2: accum + 1, 3: 3 * accum}[stage]
+            stats = ring_bytes("all_reduce", 4, 8, world)
+            moved = metrics[0]["comm_bytes"] - stats
+            assert moved == factor * psi * itemsize * (world - 1) // world
+
+
+def bucket_bytes(layout: ShardLayout) -> list[int]:
+    """Each bucket's full (padded) fp32 bytes, largest first."""
+    return sorted((b.padded_numel * 4 for b in layout.buckets), reverse=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_stage3_gathered_peak_is_bounded_by_prefetch(prefetch: int, world: int) -> None:
+    """Six one-Linear buckets: at most 1 + prefetch buckets' full parameters at once."""
+    out = run(world, sb.train_body, sb.Deep(), global_batches("Deep"), 3, stage=3,
+              prefetch=prefetch)[0]
+    layout = out["layout"]
+    assert len(layout.buckets) == 6
+    sizes = bucket_bytes(layout)
+    psi_bytes = sum(ring_bytes("all_gather", b.padded_numel, 4, world) for b in layout.buckets)
+    for m in out["metrics"]:
+        assert sizes[0] <= m["gathered_bytes_peak"] <= sum(sizes[: prefetch + 1])
+        # Forward gathers every bucket once, backward at most once more; one reduce-scatter.
+        assert psi_bytes < m["comm_bytes_by_kind"]["all_gather"] <= 2 * psi_bytes
+        assert m["comm_bytes_by_kind"]["reduce_scatter"] == psi_bytes
+
+
+def test_stage3_no_prefetch_holds_one_bucket() -> None:
+    out = run(2, sb.train_body, sb.Deep(), global_batches("Deep"), 2, stage=3, prefetch=0)[0]
+    largest = bucket_bytes(out["layout"])[0]
+    assert [m["gathered_bytes_peak"] for m in out["metrics"]] == [largest, largest]
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_stage3_peak_with_a_wrong_first_order_guess(prefetch: int) -> None:
+    """Reversed runs its buckets against registration order, the first step's guess: that step
+    may prefetch uselessly (one bucket more), never pile buckets up; later steps follow the
+    learned order within 1 + prefetch buckets."""
+    out = run(2, sb.train_body, sb.Reversed(), global_batches("Reversed"), 3, stage=3,
+              prefetch=prefetch)[0]
+    sizes = bucket_bytes(out["layout"])
+    peaks = [m["gathered_bytes_peak"] for m in out["metrics"]]
+    assert peaks[0] <= sum(sizes[: prefetch + 2])
+    assert all(peak <= sum(sizes[: prefetch + 1]) for peak in peaks[1:]), peaks
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_gathered_peak_is_zero_below_stage3(stage: int) -> None:
+    out = run(2, sb.train_body, sb.Deep(), global_batches("Deep"), 2, stage=stage)[0]
+    assert [m["gathered_bytes_peak"] for m in out["metrics"]] == [0, 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Purity, meta skeletons, residency order
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt", "frozen_mix"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_module_is_not_mutated(stage: int, name: str) -> None:
+    diffs = run(2, sb.purity_body, model_of(name), global_batches(name), 3, stage=stage)
+    assert diffs == [[], []]
+
+
+def test_purity_check_sees_mutations() -> None:
+    """The fingerprint used above notices each kind of change it claims to check."""
+    model = FrozenMix()
+    before = sb.module_fingerprint(model)
+    assert sb.fingerprints_equal(before, sb.module_fingerprint(model)) == []
+    changes: list[Callable[[FrozenMix], Any]] = [
+        lambda m: m.proj.weight.data.add_(1),
+        lambda m: setattr(m.proj, "weight", nn.Parameter(m.proj.weight.detach().clone())),
+        lambda m: m.scale.add_(1),
+        lambda m: setattr(m.head, "extra", 1),
+        lambda m: m.head.register_forward_pre_hook(lambda *a: None),
+        lambda m: m.register_full_backward_hook(lambda *a: None),
+        lambda m: m.head.register_forward_hook(lambda *a: None),
+    ]
+    for change in changes:
+        fresh = FrozenMix()
+        base = sb.module_fingerprint(fresh)
+        change(fresh)
+        assert sb.fingerprints_equal(base, sb.module_fingerprint(fresh)) != []
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt", "frozen_mix"])
+def test_stage3_trains_a_meta_skeleton(name: str) -> None:
+    steps = 4
+    with torch.device("meta"):
+        skeleton = model_of(name)
+    assert all(p.is_meta for p in skeleton.parameters())
+    model, batches = model_of(name), global_batches(name)
+    on_meta = run(2, sb.train_body, model, batches, steps, stage=3, skeleton=skeleton)
+    materialized = run(2, sb.train_body, model, batches, steps, stage=3)
+    assert on_meta[0]["losses"] == materialized[0]["losses"]
+    for key, value in materialized[0]["params"].items():
+        assert torch.equal(on_meta[0]["params"][key], value)
+    assert_losses(on_meta[0]["losses"], reference(name, steps).losses)
+
+
+def test_prefetch_depth_does_not_change_numbers() -> None:
+    model, batches = TinyGPT(), global_batches("tiny_gpt")
+    runs = [run(2, sb.train_body, model, batches, 3, stage=3, prefetch=p)[0] for p in (0, 1, 2)]
+    for other in runs[1:]:
+        assert other["losses"] == runs[0]["losses"]
+        for key, value in runs[0]["params"].items():
+            assert torch.equal(other["params"][key], value)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", ["Reversed", "CalledTwice"])
+def test_stage3_forward_order_and_reuse_parity(name: str, world: int) -> None:
+    """Forward order unlike registration order, and a block called twice, still train exactly."""
+    steps = 6
+    ref = reference(name, steps)
+    model = model_of(name)
+    out = run(world, sb.train_body, model, global_batches(name), steps, stage=3)[0]
+    assert_losses(out["losses"], ref.losses)
+    assert_params(out["params"], ref.params, model)
+
+
+def test_stage3_module_registered_twice_in_a_list() -> None:
+    """nn.ModuleList([a, b, a]): a's bucket is needed by two list entries (one module)."""
+    steps = 4
+    ref = reference("SharedInList", steps)
+    model = sb.SharedInList()
+    out = run(2, sb.train_body, model, global_batches("SharedInList"), steps, stage=3)[0]
+    assert_losses(out["losses"], ref.losses)
+    assert_params(out["params"], ref.params, model)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: clear errors, decided alike on every rank (nothing hangs)
+
+
+def every_rank_raises(world: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[str]:
+    """Run `fn` on every rank; assert each rank raised ValueError; return the messages."""
+    outcomes = run(world, sb.raises_body, fn, *args, **kwargs)
+    assert all(o is not None and o[0] == "ValueError" for o in outcomes), outcomes
+    return [o[1] for o in outcomes]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_uneven_batches_raise_on_every_rank(stage: int) -> None:
+    x, y = MLP.make_batch(0, 9)
+    per_rank = [(x[:3], y[:3]), (x[3:], y[3:])]
+    for message in every_rank_raises(2, sb.uneven_batch_body, MLP(), per_rank, stage):
+        assert "different sizes" in message
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_batch_that_does_not_split_into_accum_steps(stage: int) -> None:
+    batch = MLP.make_batch(0, 10)  # 5 rows per rank, accum_steps=2
+    messages = every_rank_raises(2, sb.step_once_body, MLP(), batch, stage=stage, accum=2)
+    for message in messages:
+        assert "accum_steps=2" in message and "(5, 7)" in message
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_loss_must_be_a_float_scalar(stage: int) -> None:
+    batch = MLP.make_batch(0, 4)
+    for loss_fn, expect in ((sb.per_row_loss, "shape (2,)"), (sb.int_loss, "torch.int64")):
+        messages = every_rank_raises(2, sb.step_once_body, MLP(), batch, stage=stage,
+                                     loss_fn=loss_fn)
+        for message in messages:
+            assert "scalar" in message and expect in message
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_loss_without_grad_path_names_parameters(stage: int) -> None:
+    batch = MLP.make_batch(0, 4)
+    for loss_fn in (sb.constant_loss, sb.no_grad_loss):
+        messages = every_rank_raises(2, sb.step_once_body, MLP(), batch, stage=stage,
+                                     loss_fn=loss_fn)
+        for message in messages:
+            assert "fc1.weight" in message and "fc2.bias" in message and "gradient" in message
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_state_of_another_model_is_rejected(stage: int) -> None:
+    batch = MLP.make_batch(0, 4)
+    wider = MLP(d_hidden=14)
+    messages = every_rank_raises(2, sb.step_once_body, MLP(), batch, stage=stage, runner=wider)
+    for message in messages:
+        assert "fc1.weight" in message and "(14, 7)" in message and "fingerprint" in message
+    other = FrozenMix()
+    messages = every_rank_raises(2, sb.step_once_body, MLP(), batch, stage=stage, runner=other)
+    for message in messages:
+        assert "fc1.weight" in message and "head.weight" in message and "fingerprint" in message
+
+
+def test_step_rejects_a_non_state() -> None:
+    step = fzero.make_train_step(MLP(), MLP.loss_fn)
+    with pytest.raises(TypeError, match="ShardState"):
+        step({"params": ()}, MLP.make_batch(0, 2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"accum_steps": 0}, "accum_steps"),
+        ({"accum_steps": 2.0}, "accum_steps"),
+        ({"accum_steps": True}, "accum_steps"),
+        ({"clip_norm": 0.0}, "clip_norm"),
+        ({"clip_norm": -1.0}, "clip_norm"),
+        ({"prefetch": 3}, "prefetch"),
+    ],
+)
+def test_make_train_step_validates_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fzero.make_train_step(MLP(), MLP.loss_fn, **kwargs)
+
+
+def test_make_train_step_needs_a_module() -> None:
+    with pytest.raises(TypeError, match="nn.Module"):
+        fzero.make_train_step(MLP().forward, MLP.loss_fn)  # type: ignore[arg-type]
+
+
+def test_failing_step_surfaces_as_simworld_error() -> None:
+    """Through SimWorld (no catching in the body): SimWorldError with the ValueError as cause."""
+    with pytest.raises(SimWorldError) as info:
+        run(2, sb.step_once_body, MLP(), MLP.make_batch(0, 4), stage=2, loss_fn=sb.per_row_loss)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "scalar" in str(info.value.__cause__)
+
+
+def test_split_batch_rank_slices_cover_the_batch() -> None:
+    """The tests' rank split (models.split_batch) partitions the global batch in rank order."""
+    batch = TinyGPT.make_batch(0, GLOBAL_BATCH)
+    for world in WORLD_SIZES:
+        parts = [split_batch(batch, r, world) for r in range(world)]
+        for i, tensor in enumerate(batch):
+            assert torch.equal(torch.cat([p[i] for p in parts]), tensor)
