@@ -205,6 +205,7 @@ def collectives(
     if streams is None:
         streams = Streams.for_device(getattr(comm, "device", "cpu"))
     located = layout.locate()
+    device = torch.device(getattr(comm, "device", "cpu"))
 
     def gather_async(shards: Sequence[Tensor], bucket: int) -> Pending:
         (bucket,) = _bucket_indices(layout, [bucket], len(shards))
@@ -241,7 +242,7 @@ def collectives(
         pending = []
         for i in indices:
             bucket = layout.buckets[i]
-            flat = _flat_grad(grads, bucket, reduce_dtype)
+            flat = _flat_grad(grads, bucket, reduce_dtype, device)
             if not flat.is_floating_point():
                 pending.append(_Ready(flat[: bucket.shard_numel]))
                 continue
@@ -355,14 +356,16 @@ def _check_grads(
             )
 
 
-def _flat_grad(grads: Mapping[str, Tensor], bucket: Bucket, dtype: torch.dtype | None) -> Tensor:
-    """The bucket's gradient as one flat padded buffer; a missing gradient is zero.
+def _flat_grad(
+    grads: Mapping[str, Tensor], bucket: Bucket, dtype: torch.dtype | None, device: torch.device
+) -> Tensor:
+    """The bucket's gradient as one flat padded buffer on the comm's device (so every rank
+    builds the same buffers, whatever gradients it was given); a missing gradient is zero.
 
     Tied parameters' gradients (under any of their names) are summed, as autograd would.
     """
     dtype = dtype if dtype is not None and bucket.torch_dtype.is_floating_point else (
         bucket.torch_dtype)
-    device = next((g.device for g in grads.values()), torch.device("cpu"))
     flat = torch.zeros(bucket.padded_numel, dtype=dtype, device=device)
     with torch.no_grad():
         for entry in bucket.entries:
