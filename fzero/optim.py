@@ -240,6 +240,45 @@ def _views(tensors: list[Tensor], spans: list[tuple[int, int, int]]) -> list[Ten
 _ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def _zeros_init(names: tuple[str, ...]) -> InitFn:
+    """``init(params)``: one zero tensor like each parameter, per moment name."""
+
+    def init(params: Sequence[Tensor]) -> Moments:
+        ps = _check_params(params)
+        return {name: tuple(torch.zeros_like(p) for p in ps) for name in names}
+
+    return init
+
+
+class _Call(NamedTuple):
+    step: int
+    lr: float
+    params: list[Tensor]
+    grads: list[Tensor]
+    spans: list[tuple[int, int, int]]
+
+
+def _checked_call(
+    schedule: Schedule,
+    weight_decay: float,
+    names: tuple[str, ...],
+    grads: Sequence[Tensor],
+    moments: Moments,
+    params: Sequence[Tensor],
+    step: int,
+    lr: float | None,
+    decay: DecayRanges | None,
+) -> _Call:
+    """Validate one `update` call (before any tensor is touched) and resolve its lr."""
+    step = _check_step(step)
+    lr_t = _resolve_lr(schedule, lr, step)
+    ps = _check_params(params)
+    gs = _check_like("grads", grads, ps)
+    _check_moments(moments, names, ps)
+    spans = _decay_spans(decay, ps) if weight_decay != 0 else []
+    return _Call(step, lr_t, ps, gs, spans)
+
+
 def _adam(
     lr: float | Schedule,
     betas: tuple[float, float],
@@ -253,10 +292,6 @@ def _adam(
     eps = _check_real("eps", eps, low=0.0)
     weight_decay = _check_real("weight_decay", weight_decay, low=0.0)
 
-    def init(params: Sequence[Tensor]) -> Moments:
-        ps = _check_params(params)
-        return {name: tuple(torch.zeros_like(p) for p in ps) for name in _ADAM_MOMENTS}
-
     def update(
         grads: Sequence[Tensor],
         moments: Moments,
@@ -266,12 +301,9 @@ def _adam(
         lr: float | None = None,
         decay: DecayRanges | None = None,
     ) -> None:
-        step = _check_step(step)
-        lr_t = _resolve_lr(schedule, lr, step)
-        ps = _check_params(params)
-        gs = _check_like("grads", grads, ps)
-        _check_moments(moments, _ADAM_MOMENTS, ps)
-        spans = _decay_spans(decay, ps) if weight_decay != 0 else []
+        step, lr_t, ps, gs, spans = _checked_call(
+            schedule, weight_decay, _ADAM_MOMENTS, grads, moments, params, step, lr, decay
+        )
         if not ps:
             return
         exp_avgs, exp_avg_sqs = list(moments["exp_avg"]), list(moments["exp_avg_sq"])
@@ -295,7 +327,7 @@ def _adam(
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(ps, exp_avgs, denom, step_size)
 
-    return Optimizer(init, update, schedule)
+    return Optimizer(_zeros_init(_ADAM_MOMENTS), update, schedule)
 
 
 def adamw(
@@ -393,10 +425,6 @@ def sgd(
         )
     names = ("momentum_buffer",) if momentum != 0 else ()
 
-    def init(params: Sequence[Tensor]) -> Moments:
-        ps = _check_params(params)
-        return {name: tuple(torch.zeros_like(p) for p in ps) for name in names}
-
     def update(
         grads: Sequence[Tensor],
         moments: Moments,
@@ -406,12 +434,9 @@ def sgd(
         lr: float | None = None,
         decay: DecayRanges | None = None,
     ) -> None:
-        step = _check_step(step)
-        lr_t = _resolve_lr(schedule, lr, step)
-        ps = _check_params(params)
-        gs = _check_like("grads", grads, ps)
-        _check_moments(moments, names, ps)
-        spans = _decay_spans(decay, ps) if weight_decay != 0 else []
+        step, lr_t, ps, gs, spans = _checked_call(
+            schedule, weight_decay, names, grads, moments, params, step, lr, decay
+        )
         if not ps:
             return
 
@@ -431,7 +456,7 @@ def sgd(
                 direction = bufs
         torch._foreach_add_(ps, direction, alpha=-lr_t)
 
-    return Optimizer(init, update, schedule)
+    return Optimizer(_zeros_init(names), update, schedule)
 
 
 # --------------------------------------------------------------------------------------------
