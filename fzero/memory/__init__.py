@@ -363,6 +363,3 @@ def _reset_peak_rss() -> int:
         pass  # not Linux, or not permitted: the peak then covers the process's lifetime
     return _status_bytes("VmRSS")
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
