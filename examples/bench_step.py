@@ -20,6 +20,7 @@ the local shards; fzero: ``metrics["state_bytes"]``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -316,6 +317,8 @@ def worker(rank: int, row: str, size: str, world: int, steps: int, warmup: int, 
             "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if use_cuda else None,
         }
         if row.startswith("fzero_"):  # after reading the peak RSS: it builds a second state
+            del step, state_bytes  # ... so first free this row's (the closures hold it)
+            gc.collect()
             result["overlap"] = measure_overlap(model, int(row[-1]), batches[warmup:], world,
                                                 device)
         with open(f"{rdzv}.{rank}.json", "w") as f:

@@ -30,7 +30,6 @@ from fzero.layout import Bucket, ShardLayout
 __all__ = ["BucketOrder", "GradBuckets", "Resident", "leaves_over", "trigger_modules"]
 
 
-
 def leaves_over(flat: Tensor, bucket: Bucket) -> list[Tensor]:
     """One tensor per entry aliasing `flat`'s storage (a leaf requiring grad if trainable)."""
     storage = flat.untyped_storage()
@@ -99,14 +98,18 @@ class GradBuckets:
         while self.pending:
             self._settle(*self.pending.pop(0))
         leaves = self.leaves[index]
-        flat = torch.zeros(bucket.padded_numel, dtype=target.dtype, device=target.device)
+        flat = torch.empty(bucket.padded_numel, dtype=target.dtype, device=target.device)
         self.live_bytes += flat.numel() * flat.element_size()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        with torch.no_grad():
+        with torch.no_grad():  # one pass: each element is copied or zeroed once
             for entry, leaf in zip(bucket.entries, leaves, strict=True):
-                if leaf.grad is not None:
-                    flat[entry.offset : entry.end].view(entry.shape).copy_(leaf.grad)
+                piece = flat[entry.offset : entry.end]
+                if leaf.grad is None:  # unused in this backward: a zero gradient
+                    piece.zero_()
+                else:
+                    piece.view(entry.shape).copy_(leaf.grad)
                     leaf.grad = None
+            flat[bucket.numel :].zero_()  # padding
         self.done[index] = True
         self.pending.append(
             (index, reduce_scatter_bucket(self.comm, bucket, flat, streams=self.streams))
@@ -187,8 +190,9 @@ class Resident:
     Backward: autograd unpacks saved parameters through `unpack`, which touches the bucket
     without releasing anything (one autograd node may unpack parameters of two buckets, and both
     must stay valid until it has run). Buckets are released between nodes, when a bucket's
-    gradients are complete (`on_grads_complete`): every resident bucket except the next
-    `prefetch` of the learned backward sequence. A bucket needed again later is gathered again.
+    gradients are complete (`on_grads_complete`): every resident bucket except the one backward
+    is working on (unless that is the completed one) and the next `prefetch` of the learned
+    backward sequence. A bucket needed again later is gathered again.
 
     The learned sequences come from the previous step; a step that runs differently only
     prefetches less well (every rank alike: the sequences derive from the graph).
@@ -362,10 +366,14 @@ class Resident:
         return out.set_(flat.untyped_storage(), saved.offset, saved.shape, saved.stride)
 
     def on_grads_complete(self, index: int) -> None:
-        """Between autograd nodes: release all but the buckets backward needs next."""
+        """Between autograd nodes: release all but the bucket backward works on (unless it is
+        the one just completed) and the ones it needs next."""
         if self.phase == 1:
             current = self.used[1][-1] if self.used[1] else index
-            self._evict(keep=set(self._upcoming(current)))
+            keep = set(self._upcoming(current))
+            if current != index:
+                keep.add(current)
+            self._evict(keep=keep)
 
     def after_forward(self) -> None:
         """Release everything, then start gathering the bucket backward needs first."""

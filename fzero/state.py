@@ -206,7 +206,8 @@ def init(
             that a tied parameter is initialized once, by its first owner.
         load: for a ``meta`` model: ``load(names) -> {name: tensor}`` returns the values of the
             named parameters (one bucket at a time) and, last, of the buffers. Called on rank 0
-            only (its values are broadcast), so a checkpoint is read once.
+            only (its values are broadcast), so a checkpoint is read once. Likewise `init_fn`
+            runs on rank 0 only.
 
     Returns:
         The state at step 0, with zero gradients and fresh optimizer moments.
@@ -325,8 +326,9 @@ def _bucket_source(
 ) -> Callable[[Bucket], Tensor]:
     """``source(bucket) -> (padded_numel,)`` flat values of the bucket on `device`.
 
-    On ranks other than 0 the values of `load` are never read (rank 0's are broadcast), so
-    they get an uninitialized buffer of the right size instead.
+    For a meta model, only rank 0 initializes or loads: the other ranks' values would be
+    overwritten by its broadcast, so they get an uninitialized buffer of the right size (and
+    an `init_fn` drawing from a seeded global RNG draws the same numbers whatever N is).
     """
     tensors = (
         dict(model.named_parameters(remove_duplicate=False))
@@ -344,17 +346,15 @@ def _bucket_source(
             f"parameters {meta[:5]} are on the meta device: pass exactly one of init_fn= "
             f"(initialize each module's own parameters) or load= (read them by name)"
         )
-    if load is not None:
-        def loaded(bucket: Bucket) -> Tensor:
-            if rank != 0:
-                return torch.empty(bucket.padded_numel, dtype=bucket.torch_dtype, device=device)
-            values = load([entry.name for entry in bucket.entries])
-            return _flat_of(bucket, _pick(values, bucket.entries, "load"), device)
-        return loaded
-    if not isinstance(model, nn.Module):
+    if load is None and not isinstance(model, nn.Module):
         raise TypeError("init_fn= needs the nn.Module (on the meta device), not a state dict")
 
-    def initialized(bucket: Bucket) -> Tensor:
+    def materialized(bucket: Bucket) -> Tensor:
+        if rank != 0:  # overwritten by rank 0's broadcast: no values needed
+            return torch.empty(bucket.padded_numel, dtype=bucket.torch_dtype, device=device)
+        if load is not None:
+            values = load([entry.name for entry in bucket.entries])
+            return _flat_of(bucket, _pick(values, bucket.entries, "load"), device)
         values: dict[str, Tensor] = {}
         for prefix, names in _owners([e.name for e in bucket.entries]).items():
             module = _materialized(model.get_submodule(prefix), device, init_fn)
@@ -362,7 +362,7 @@ def _bucket_source(
                 values[name] = getattr(module, name.rsplit(".", 1)[-1])
         return _flat_of(bucket, values, device)
 
-    return initialized
+    return materialized
 
 
 def _buffers(
@@ -378,9 +378,9 @@ def _buffers(
     named = dict(model.named_buffers())
     if not any(b.is_meta for b in named.values()):
         return {name: b.detach().to(device).clone() for name, b in named.items()}
+    if rank != 0:  # overwritten by rank 0's broadcast
+        return {n: torch.empty(b.shape, dtype=b.dtype, device=device) for n, b in named.items()}
     if load is not None:
-        if rank != 0:
-            return {n: torch.empty(b.shape, dtype=b.dtype, device=device) for n, b in named.items()}
         values = load(list(named))
         return {n: values[n].detach().to(device, b.dtype).clone() for n, b in named.items()}
     assert init_fn is not None

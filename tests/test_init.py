@@ -1,0 +1,150 @@
+"""`fzero.init` from a `meta` model: sharded init (init_fn= or load=) equals materialized init
+and never holds more than one bucket's full values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fzero
+from fzero.simworld import SimWorldError
+
+
+class Stack(nn.Module):
+    """Untied: embedding, a ModuleList of blocks (one bucket each), a head. ~5k parameters."""
+
+    def __init__(self, width: int = 12, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(17, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width)) for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 5)
+        self.register_buffer("scale", torch.full((width,), 0.5))
+
+    def forward(self, idx):
+        x = self.embed(idx) * self.scale
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def init_fn(module: nn.Module) -> None:
+    for name, p in module.named_parameters(recurse=False):
+        if p.dim() >= 2:
+            nn.init.normal_(p, std=0.02)
+        elif name == "weight":
+            nn.init.ones_(p)
+        else:
+            nn.init.uniform_(p, -0.1, 0.1)
+    if isinstance(module, Stack):
+        module.scale.fill_(0.5)
+
+
+def materialized(seed: int = 0) -> Stack:
+    """The reference: the whole model, then init_fn on each module in modules() order."""
+    model = Stack()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            init_fn(module)
+    return model
+
+
+def meta_model() -> Stack:
+    with torch.device("meta"):
+        return Stack()
+
+
+def init_and_gather(comm, model, stage, **kwargs):
+    torch.manual_seed(0)
+    state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.adamw(), **kwargs)
+    return fzero.full_params(state), state.buffers
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("world", [1, 3])
+def test_init_fn_on_meta_equals_materialized_init(stage, world):
+    want = materialized()
+    for params, buffers in fzero.SimWorld(world).run(
+        init_and_gather, meta_model(), stage, init_fn=init_fn
+    ):
+        for name, value in want.named_parameters():
+            assert torch.equal(params[name], value.detach()), name
+        assert torch.equal(buffers["scale"], want.scale)
+
+
+def test_load_on_meta_equals_init_from_the_materialized_model():
+    source = materialized(seed=3)
+    state_dict = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    calls: list[list[str]] = []
+
+    def load(names):
+        calls.append(list(names))
+        return {name: state_dict[name] for name in names}
+
+    results = fzero.SimWorld(2, copy_args=False).run(
+        init_and_gather, meta_model(), 3, load=load
+    )
+    direct = fzero.SimWorld(2).run(init_and_gather, source, 3)
+    for (params, buffers), (want, want_buffers) in zip(results, direct, strict=True):
+        assert params.keys() == want.keys()
+        for name in want:
+            assert torch.equal(params[name], want[name]), name
+        assert torch.equal(buffers["scale"], want_buffers["scale"])
+    layout = fzero.plan(meta_model(), 2)
+    # Rank 0 alone reads: once per bucket, then once for the buffers.
+    assert len(calls) == len(layout.buckets) + 1
+    assert sorted(n for names in calls[:-1] for n in names) == sorted(layout.names)
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest storage any tensor op creates while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def test_sharded_init_never_allocates_more_than_a_bucket():
+    model = meta_model()
+    layout = fzero.plan(model, 1)
+    largest_bucket = max(b.padded_numel for b in layout.buckets) * 4
+    whole = layout.padded_numel * 4
+    assert largest_bucket * 3 < whole  # the bound below means something
+
+    def body(comm):
+        with LargestAllocation() as tracker:
+            fzero.init(model, stage=3, comm=comm, optimizer=fzero.optim.adamw(),
+                       init_fn=init_fn)
+        return tracker.largest
+
+    (largest,) = fzero.SimWorld(1, copy_args=False).run(body)
+    assert 0 < largest <= largest_bucket
+
+
+def test_meta_model_needs_exactly_one_source():
+    with pytest.raises(SimWorldError) as info:
+        fzero.SimWorld(1).run(init_and_gather, meta_model(), 3)
+    assert "pass exactly one of init_fn= " in str(info.value.__cause__)
+    with pytest.raises(SimWorldError) as info:
+        fzero.SimWorld(1).run(init_and_gather, materialized(), 3, init_fn=init_fn)
+    assert "materialized already" in str(info.value.__cause__)
+
+
+def test_load_missing_a_parameter_is_named():
+    def load(names):
+        return {}
+
+    with pytest.raises(SimWorldError) as info:
+        fzero.SimWorld(1).run(init_and_gather, meta_model(), 3, load=load)
+    assert "load() returned no value for parameter 'embed.weight'" in str(info.value.__cause__)
