@@ -223,13 +223,15 @@ def build_deepspeed(model: nn.Module, stage: int, micro_batch: int):
     return step, lambda: -1  # DeepSpeed keeps its partitions internally: not measured
 
 
-def measure_overlap(model: nn.Module, stage: int, batches, world: int, device) -> dict:
+def measure_overlap(cfg: GPTConfig, stage: int, batches, world: int, device) -> dict:
     """The step's two halves alone, on this rank, while the other ranks do the same.
 
     t_compute: the same fzero step on this rank's batches in a world of one (no communication).
     t_comm: the step's collectives alone on the real group: stage 3 all-gathers every bucket
     twice and reduce-scatters it once, stages 1-2 reduce-scatter and all-gather once each.
     """
+
+    model = GPT(cfg, seed=0).to(device)
 
     def compute(comm):
         state = fzero.init(model, stage=stage, comm=comm, device=device,
@@ -319,7 +321,7 @@ def worker(rank: int, row: str, size: str, world: int, steps: int, warmup: int, 
         if row.startswith("fzero_"):  # after reading the peak RSS: it builds a second state
             del step, state_bytes  # ... so first free this row's (the closures hold it)
             gc.collect()
-            result["overlap"] = measure_overlap(model, int(row[-1]), batches[warmup:], world,
+            result["overlap"] = measure_overlap(cfg, int(row[-1]), batches[warmup:], world,
                                                 device)
         with open(f"{rdzv}.{rank}.json", "w") as f:
             json.dump(result, f)

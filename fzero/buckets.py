@@ -27,7 +27,14 @@ from fzero.collect import Pending, Streams, all_gather_bucket, reduce_scatter_bu
 from fzero.comm import Comm
 from fzero.layout import Bucket, ShardLayout
 
-__all__ = ["BucketOrder", "GradBuckets", "Resident", "leaves_over", "trigger_modules"]
+__all__ = [
+    "BucketOrder",
+    "EagerReduce",
+    "GradBuckets",
+    "Resident",
+    "leaves_over",
+    "trigger_modules",
+]
 
 
 def leaves_over(flat: Tensor, bucket: Bucket) -> list[Tensor]:
@@ -141,6 +148,92 @@ class GradBuckets:
         """Remove the hooks."""
         for handle in self.handles:
             handle.remove()
+
+
+class EagerReduce:
+    """Stages 0-1: start each bucket's gradient reduction as soon as the step's last backward
+    has completed it, so communication overlaps the rest of backward (as DDP does).
+
+    The full gradient buffers ``grads[b]`` accumulate in place over micro-batches (the leaves'
+    ``.grad`` are views of them); once `armed`, the last post-accumulate-grad hook of a bucket
+    starts its all-reduce (stage 0) or reduce-scatter (stage 1), averaged over ranks. `results`
+    starts the buckets no hook completed (some parameter got no gradient), in bucket order, and
+    waits for all.
+    """
+
+    def __init__(
+        self,
+        comm: Comm,
+        layout: ShardLayout,
+        leaves: Sequence[Sequence[Tensor]],
+        grads: Sequence[Tensor | None],
+        *,
+        scatter: bool,
+        reduce_dtype: torch.dtype | None,
+        streams: Streams | None,
+    ) -> None:
+        self.comm = comm
+        self.layout = layout
+        self.grads = grads
+        self.scatter = scatter
+        self.reduce_dtype = reduce_dtype
+        self.streams = streams
+        self.armed = False
+        self.sizes = [len(bucket_leaves) for bucket_leaves in leaves]
+        self.ready = [0] * len(layout.buckets)
+        self.started: dict[int, Any] = {}
+        self.handles = [
+            leaf.register_post_accumulate_grad_hook(self._hook(index))
+            for index, bucket in enumerate(layout.buckets)
+            if bucket.trainable
+            for leaf in leaves[index]
+        ]
+
+    def _hook(self, index: int) -> Any:
+        def on_ready(_: Tensor) -> None:
+            if self.armed:
+                self.ready[index] += 1
+                if self.ready[index] == self.sizes[index]:
+                    self._start(index)
+
+        return on_ready
+
+    def _start(self, index: int) -> None:
+        grad = self.grads[index]
+        assert grad is not None and index not in self.started
+        if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)
+        if self.scatter:
+            self.started[index] = reduce_scatter_bucket(
+                self.comm, self.layout.buckets[index], grad, streams=self.streams
+            )
+        else:
+            self.started[index] = _Reduced(grad, self.comm.all_reduce(grad, op="avg",
+                                                                        async_op=True))
+
+    def results(self) -> list[Tensor]:
+        """Per trainable bucket, in order: the reduced gradient (stage 0: full, 1: shard)."""
+        trainable = [i for i, b in enumerate(self.layout.buckets) if b.trainable]
+        for index in trainable:
+            if index not in self.started:
+                self._start(index)
+        return [self.started[index].wait() for index in trainable]
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for handle in self.handles:
+            handle.remove()
+
+
+class _Reduced(NamedTuple):
+    """An in-place all-reduce in flight; `wait()` returns its tensor."""
+
+    tensor: Tensor
+    work: Any
+
+    def wait(self) -> Tensor:
+        self.work.wait()
+        return self.tensor
 
 
 def trigger_modules(model: nn.Module, layout: ShardLayout) -> dict[nn.Module, list[int]]:

@@ -39,8 +39,15 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fzero.buckets import BucketOrder, GradBuckets, Resident, leaves_over, trigger_modules
-from fzero.collect import Streams, all_gather_bucket, reduce_scatter_bucket
+from fzero.buckets import (
+    BucketOrder,
+    EagerReduce,
+    GradBuckets,
+    Resident,
+    leaves_over,
+    trigger_modules,
+)
+from fzero.collect import Streams, all_gather_bucket
 from fzero.flat import unflatten
 from fzero.layout import Bucket, Entry
 from fzero.optim import Schedule, clip_coefficient
@@ -112,12 +119,12 @@ def make_train_step(
 
         losses = []
         with _session(state, model, streams, prefetch) as session:
-            for micro in micro_batches:
+            for index, micro in enumerate(micro_batches):
                 loss = session.forward(loss_fn, micro)
                 _check_loss(loss, state)
-                session.backward(loss * (scale / accum_steps))
+                session.backward(loss * (scale / accum_steps), index == len(micro_batches) - 1)
                 losses.append(loss.detach().to(torch.float64))
-        grads = _reduced_grads(state, streams)
+            grads = session.info["reduced"]()
 
         master_dtype = state.config.master_dtype
         grads = [g if g.dtype == master_dtype else g.to(master_dtype) for g in grads]
@@ -277,8 +284,8 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
 
 class _Session(NamedTuple):
     forward: Callable[[Callable[..., Any], Any], Any]
-    backward: Callable[[Tensor], None]
-    info: dict[str, Any]
+    backward: Callable[[Tensor, bool], None]  # (loss, last micro-batch of the step)
+    info: dict[str, Any]  # "reduced": () -> reduced gradients; peaks and learned order
 
 
 @contextlib.contextmanager
@@ -302,21 +309,25 @@ def _session(
 def _replicated(
     state: ShardState, model: nn.Module, streams: Streams | None, train: bool
 ) -> Iterator[_Session]:
-    """Stages 0-2: full parameters; gradients into full buffers (0, 1) or bucket by bucket
-    reduce-scattered into shards (2)."""
+    """Stages 0-2: full parameters. Gradients accumulate in place in full buffers, reduced
+    bucket by bucket during the step's last backward (0: all-reduce, 1: reduce-scatter), or
+    are reduce-scattered into shards bucket by bucket during every backward (2)."""
     layout = state.layout
     leaves = [
         leaves_over(flat, bucket) if train else _views(flat, bucket)
         for flat, bucket in zip(state.params, layout.buckets, strict=True)
     ]
-    grad_buckets = None
+    comm = state.config.comm
+    grad_buckets = eager = None
     if train and state.stage < 2:
         for index, bucket in enumerate(layout.buckets):
             if bucket.trainable:
                 for entry, leaf in zip(bucket.entries, leaves[index], strict=True):
                     leaf.grad = _entry_view(state.grads[index], entry)  # accumulates in place
+        eager = EagerReduce(comm, layout, leaves, state.grads, scatter=state.stage == 1,
+                            reduce_dtype=state.config.reduce_dtype, streams=streams)
     elif train:
-        grad_buckets = GradBuckets(state.config.comm, layout, leaves, state.grads, streams)
+        grad_buckets = GradBuckets(comm, layout, leaves, state.grads, streams)
     named = _named(layout.buckets, leaves)
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -325,17 +336,26 @@ def _replicated(
     def forward(fn: Callable[..., Any], batch: Any) -> Any:
         return fn(call, batch)
 
-    def backward(loss: Tensor) -> None:
+    def backward(loss: Tensor, last: bool) -> None:
+        if eager is not None:
+            eager.armed = last
         loss.backward()
         if grad_buckets is not None:
             grad_buckets.finish()
 
-    info: dict[str, Any] = {}
+    def reduced() -> list[Tensor]:
+        if eager is not None:
+            return eager.results()
+        return [state.grads[i] for i, b in enumerate(layout.buckets) if b.trainable]
+
+    info: dict[str, Any] = {"reduced": reduced}
     try:
         yield _Session(forward, backward, info)
     finally:
+        for helper in (grad_buckets, eager):
+            if helper is not None:
+                helper.close()
         if grad_buckets is not None:
-            grad_buckets.close()
             info["grad_bytes_peak"] = grad_buckets.peak_bytes
 
 
@@ -358,7 +378,9 @@ def _sharded(
         if train else None
     )
     named = _named(layout.buckets, resident.leaves)
-    info: dict[str, Any] = {}
+    info: dict[str, Any] = {
+        "reduced": lambda: [state.grads[i] for i, b in enumerate(layout.buckets) if b.trainable]
+    }
 
     def call(*args: Any, **kwargs: Any) -> Any:
         with resident.forward_hooks(triggers):
@@ -377,7 +399,7 @@ def _sharded(
             resident.release_all()
         return out
 
-    def backward(loss: Tensor) -> None:
+    def backward(loss: Tensor, last: bool) -> None:
         loss.backward()
         assert grad_buckets is not None
         grad_buckets.finish()
@@ -396,30 +418,6 @@ def _sharded(
 
 
 # --- after backward ---------------------------------------------------------------------------
-
-
-def _reduced_grads(state: ShardState, streams: Streams | None) -> list[Tensor]:
-    """Each trainable bucket's gradient averaged over ranks: full (stage 0) or this rank's shard."""
-    comm = state.config.comm
-    reduce_dtype = state.config.reduce_dtype
-    trainable = [(i, b) for i, b in enumerate(state.layout.buckets) if b.trainable]
-    if state.stage >= 2:
-        return [state.grads[i] for i, _ in trainable]
-    flats = []
-    for index, _ in trainable:
-        grad = state.grads[index]
-        flats.append(grad.to(reduce_dtype) if reduce_dtype and grad.dtype != reduce_dtype
-                     else grad)
-    if state.stage == 0:
-        works = [comm.all_reduce(flat, op="avg", async_op=True) for flat in flats]
-        for work in works:
-            work.wait()
-        return flats
-    pending = [
-        reduce_scatter_bucket(comm, bucket, flat, streams=streams)
-        for (_, bucket), flat in zip(trainable, flats, strict=True)
-    ]
-    return [p.wait() for p in pending]
 
 
 def _squared_norm(grads: Sequence[Tensor], state: ShardState) -> Tensor:
