@@ -50,6 +50,47 @@ def leaves_over(flat: Tensor, bucket: Bucket) -> list[Tensor]:
     return leaves
 
 
+class _Completion:
+    """Calls `complete(b)` once every leaf of trainable bucket b has accumulated its gradient
+    (post-accumulate-grad hooks, counted per bucket while `armed()` is true)."""
+
+    def __init__(
+        self,
+        layout: ShardLayout,
+        leaves: Sequence[Sequence[Tensor]],
+        complete: Callable[[int], None],
+        armed: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.sizes = [len(bucket_leaves) for bucket_leaves in leaves]
+        self.complete = complete
+        self.armed = armed
+        self.ready = [0] * len(layout.buckets)
+        self.handles = [
+            leaf.register_post_accumulate_grad_hook(self._hook(index))
+            for index, bucket in enumerate(layout.buckets)
+            if bucket.trainable
+            for leaf in leaves[index]
+        ]
+
+    def _hook(self, index: int) -> Callable[[Tensor], None]:
+        def on_ready(_: Tensor) -> None:
+            if self.armed():
+                self.ready[index] += 1
+                if self.ready[index] == self.sizes[index]:
+                    self.complete(index)
+
+        return on_ready
+
+    def reset(self) -> None:
+        """Forget the counts (before the next backward)."""
+        self.ready = [0] * len(self.ready)
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for handle in self.handles:
+            handle.remove()
+
+
 class GradBuckets:
     """Collects each trainable bucket's gradient as its leaves' gradients become ready.
 
@@ -75,25 +116,11 @@ class GradBuckets:
         self.leaves = leaves
         self.grads = grads
         self.streams = streams
-        self.ready = [0] * len(layout.buckets)
         self.done = [False] * len(layout.buckets)
         self.pending: list[tuple[int, Pending]] = []
         self.live_bytes = 0  # full flat gradient buffers alive (being reduced)
         self.peak_bytes = 0
-        self.handles = [
-            leaf.register_post_accumulate_grad_hook(self._hook(index))
-            for index, bucket in enumerate(layout.buckets)
-            if bucket.trainable
-            for leaf in leaves[index]
-        ]
-
-    def _hook(self, index: int) -> Any:
-        def on_ready(_: Tensor) -> None:
-            self.ready[index] += 1
-            if self.ready[index] == len(self.leaves[index]):
-                self._reduce(index)
-
-        return on_ready
+        self.completion = _Completion(layout, leaves, self._reduce)
 
     def _reduce(self, index: int) -> None:
         bucket = self.layout.buckets[index]
@@ -136,18 +163,18 @@ class GradBuckets:
         Buckets none of whose leaves got a gradient are skipped (on every rank alike: the
         graph decides). Ready for the next micro-batch afterwards.
         """
+        ready = self.completion.ready
         for index, bucket in enumerate(self.layout.buckets):
-            if bucket.trainable and not self.done[index] and self.ready[index] > 0:
+            if bucket.trainable and not self.done[index] and ready[index] > 0:
                 self._reduce(index)
         while self.pending:
             self._settle(*self.pending.pop(0))
-        self.ready = [0] * len(self.layout.buckets)
+        self.completion.reset()
         self.done = [False] * len(self.layout.buckets)
 
     def close(self) -> None:
         """Remove the hooks."""
-        for handle in self.handles:
-            handle.remove()
+        self.completion.close()
 
 
 class EagerReduce:
@@ -179,24 +206,8 @@ class EagerReduce:
         self.reduce_dtype = reduce_dtype
         self.streams = streams
         self.armed = False
-        self.sizes = [len(bucket_leaves) for bucket_leaves in leaves]
-        self.ready = [0] * len(layout.buckets)
         self.started: dict[int, Any] = {}
-        self.handles = [
-            leaf.register_post_accumulate_grad_hook(self._hook(index))
-            for index, bucket in enumerate(layout.buckets)
-            if bucket.trainable
-            for leaf in leaves[index]
-        ]
-
-    def _hook(self, index: int) -> Any:
-        def on_ready(_: Tensor) -> None:
-            if self.armed:
-                self.ready[index] += 1
-                if self.ready[index] == self.sizes[index]:
-                    self._start(index)
-
-        return on_ready
+        self.completion = _Completion(layout, leaves, self._start, armed=lambda: self.armed)
 
     def _start(self, index: int) -> None:
         grad = self.grads[index]
@@ -221,8 +232,7 @@ class EagerReduce:
 
     def close(self) -> None:
         """Remove the hooks."""
-        for handle in self.handles:
-            handle.remove()
+        self.completion.close()
 
 
 class _Reduced(NamedTuple):
