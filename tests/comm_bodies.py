@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fzero.comm import Comm, TorchComm, fingerprint_check
+from fzero.comm import Comm, fingerprint_check
+from fzero.torchcomm import TorchComm
 
 
 def make_inputs(world_size: int, numel: int, dtype: torch.dtype, seed: int = 0) -> list[Tensor]:
@@ -161,12 +162,12 @@ def subgroup_body(comm: TorchComm, inputs: list[Tensor]) -> dict[str, Any] | Non
 
 def every_collective_by_transport_body(comm: Comm, inputs: list[Tensor]) -> dict[str, Any]:
     """`every_collective_body` once per `TorchComm` transport over the worker's group."""
-    from fzero.comm import TRANSPORTS, TorchComm
+    from fzero.torchcomm import TRANSPORTS, TorchComm
 
     return {t: every_collective_body(TorchComm(transport=t), inputs) for t in TRANSPORTS}
 
 
 def bad_transport_body(comm: Comm) -> None:
-    from fzero.comm import TorchComm
+    from fzero.torchcomm import TorchComm
 
     TorchComm(transport="carrier-pigeon")

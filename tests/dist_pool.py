@@ -2,7 +2,7 @@
 
 Spawning processes and importing torch costs seconds, so a pool is started once per world size
 per test session (see the `gloo_pool` fixture in conftest.py) and reused by every test body.
-`fn(comm, *args, **kwargs)` runs on every worker with a `fzero.comm.TorchComm` over a gloo group,
+`fn(comm, *args, **kwargs)` runs on every worker with a `fzero.TorchComm` over a gloo group,
 exactly the calling convention of `fzero.SimWorld.run`, so one body runs under both. `fn` must
 be importable by name (a module-level function, e.g. in tests/comm_bodies.py); arguments and
 results travel pickled (CPU tensors are fine).
@@ -54,7 +54,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn: Any, timeout_
     import torch
     import torch.distributed as dist
 
-    from fzero.comm import TorchComm
+    from fzero.torchcomm import TorchComm
 
     torch.set_num_threads(1)  # several workers share few cores
     dist.init_process_group(

@@ -746,9 +746,9 @@ def test_no_side_streams_off_cuda() -> None:
 
 @pytest.fixture
 def bare_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    from fzero import comm as fcomm
+    from fzero import launch as flaunch
 
-    for name in (*fcomm._TORCHRUN_VARS, *fcomm._SLURM_VARS):
+    for name in (*flaunch._TORCHRUN_VARS, *flaunch._SLURM_VARS):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 

@@ -15,19 +15,18 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from fzero import comm as fcomm
-from fzero.comm import (
-    COLLECTIVES,
-    Comm,
-    CommCounters,
+from fzero import launch as flaunch
+from fzero import torchcomm as ftorchcomm
+from fzero.comm import COLLECTIVES, Comm, CommCounters, ring_bytes
+from fzero.launch import (
     LaunchEnv,
-    TorchComm,
     destroy_distributed,
     distributed,
     init_distributed,
     parse_launch_env,
-    ring_bytes,
 )
 from fzero.simworld import SimWorld, SimWorldError
+from fzero.torchcomm import TorchComm
 
 import comm_bodies as cb
 from dist_pool import WorkerError
@@ -123,12 +122,12 @@ def test_counters_record_snapshot_reset() -> None:
 
 def test_single_tensor_collectives_resolve_to_new_names(monkeypatch: pytest.MonkeyPatch) -> None:
     if hasattr(dist, "all_gather_single"):
-        ops = fcomm._single_tensor_collectives()
+        ops = ftorchcomm._single_tensor_collectives()
         assert ops.all_gather is dist.all_gather_single
         assert ops.reduce_scatter is dist.reduce_scatter_single
         monkeypatch.delattr(dist, "all_gather_single")
         monkeypatch.delattr(dist, "reduce_scatter_single")
-    ops = fcomm._single_tensor_collectives()  # torch < 2.13
+    ops = ftorchcomm._single_tensor_collectives()  # torch < 2.13
     assert ops.all_gather is dist.all_gather_into_tensor
     assert ops.reduce_scatter is dist.reduce_scatter_tensor
 
@@ -684,7 +683,7 @@ def test_gloo_worker_error_names_rank_and_pool_recovers(gloo_pool: Any) -> None:
 
 @pytest.fixture
 def bare_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in (*fcomm._TORCHRUN_VARS, *fcomm._SLURM_VARS):
+    for name in (*flaunch._TORCHRUN_VARS, *flaunch._SLURM_VARS):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 

@@ -1,0 +1,247 @@
+"""Launching: where this process sits in a torchrun or Slurm job, and the process group.
+
+`parse_launch_env` is pure (an environment mapping in, a `LaunchEnv` out);
+`init_distributed` / `distributed` create the default process group from it and return a
+`fzero.TorchComm` over it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from fzero.torchcomm import TorchComm
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "LaunchEnv",
+    "destroy_distributed",
+    "distributed",
+    "init_distributed",
+    "parse_launch_env",
+]
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""Collective timeout `init_distributed` passes to the process group by default."""
+
+
+class LaunchEnv(NamedTuple):
+    """Where this process sits in a launch, as read from the environment.
+
+    Attributes:
+        launcher: "torchrun" (RANK/WORLD_SIZE/...), "slurm" (SLURM_PROCID/...) or "none".
+        rank: Global rank.
+        world_size: Number of processes.
+        local_rank: Rank on this node (selects the CUDA device).
+        master_addr: Rendezvous host (None when world_size == 1 outside torchrun).
+        master_port: Rendezvous port (None when world_size == 1 outside torchrun).
+    """
+
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+
+def _require(
+    environ: Mapping[str, str], name: str, launcher: str, expected: tuple[str, ...]
+) -> str:
+    value = environ.get(name)
+    if value is None or value == "":
+        raise ValueError(
+            f"{launcher} launch detected but environment variable {name} is not set; "
+            f"expected all of {', '.join(expected)}"
+        )
+    return value
+
+
+def _env_int(
+    environ: Mapping[str, str], name: str, launcher: str, expected: tuple[str, ...]
+) -> int:
+    value = _require(environ, name, launcher, expected)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm hostlist: "gpu[03-05,9],cpu1" -> "gpu03", "a[1-2]-ib" -> "a1-ib"."""
+    depth = 0
+    end = len(nodelist)
+    for i, ch in enumerate(nodelist):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            end = i
+            break
+    first = nodelist[:end].strip()
+    return re.sub(r"\[([^\],-]*)[^\]]*\]", r"\1", first)
+
+
+def parse_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
+    """Read rank, world size and rendezvous address from a launcher's environment (pure).
+
+    torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) win when RANK
+    or WORLD_SIZE is set; else Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and
+    MASTER_ADDR, MASTER_PORT; MASTER_ADDR defaults to the first host of SLURM_JOB_NODELIST or
+    SLURM_NODELIST) when SLURM_PROCID is set; else a single-process world.
+
+    Args:
+        environ: The environment, e.g. `os.environ`.
+
+    Returns:
+        The parsed `LaunchEnv`.
+
+    Raises:
+        ValueError: Naming a missing or malformed variable, or an inconsistent rank.
+    """
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+        launcher, expected = "torchrun", _TORCHRUN_VARS
+        rank = _env_int(environ, "RANK", launcher, expected)
+        world_size = _env_int(environ, "WORLD_SIZE", launcher, expected)
+        local_rank = _env_int(environ, "LOCAL_RANK", launcher, expected)
+        addr: str | None = _require(environ, "MASTER_ADDR", launcher, expected)
+        port: int | None = _env_int(environ, "MASTER_PORT", launcher, expected)
+    elif "SLURM_PROCID" in environ:
+        launcher = "slurm"
+        expected = (*_SLURM_VARS, "MASTER_PORT")
+        rank = _env_int(environ, "SLURM_PROCID", launcher, expected)
+        world_size = _env_int(environ, "SLURM_NTASKS", launcher, expected)
+        local_rank = _env_int(environ, "SLURM_LOCALID", launcher, expected)
+        addr = port = None
+        if world_size > 1:
+            nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+            addr = environ.get("MASTER_ADDR") or (nodelist and _first_slurm_host(nodelist))
+            if not addr:
+                raise ValueError(
+                    "slurm launch detected but neither MASTER_ADDR nor SLURM_JOB_NODELIST / "
+                    "SLURM_NODELIST is set: export MASTER_ADDR=<first node's hostname>"
+                )
+            port = _env_int(environ, "MASTER_PORT", launcher, expected)
+    else:
+        return LaunchEnv("none", 0, 1, 0, None, None)
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise ValueError(
+            f"{launcher} environment is inconsistent: need 0 <= rank < world_size and "
+            f"local_rank >= 0, got {rank=}, {world_size=}, {local_rank=}"
+        )
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
+    return LaunchEnv(launcher, rank, world_size, local_rank, addr, port)
+
+
+def _pick_device(
+    backend: str, local_rank: int, device: torch.device | str | int | None
+) -> torch.device:
+    if device is not None:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if backend != "nccl":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank < count:
+        return torch.device("cuda", local_rank)
+    if count == 1:  # one GPU bound per task (e.g. srun --gpus-per-task=1)
+        return torch.device("cuda", 0)
+    raise ValueError(
+        f"LOCAL_RANK={local_rank} but only {count} CUDA devices are visible; "
+        f"pass device=... to init_distributed"
+    )
+
+
+def init_distributed(
+    backend: str | None = None,
+    *,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    device: torch.device | str | int | None = None,
+) -> TorchComm:
+    """Initialize the default process group from the launcher's environment.
+
+    Reads torchrun's or Slurm's variables (see `parse_launch_env`); with neither, makes a
+    single-process world (rank 0 of 1, in-memory store) so scripts run without a launcher.
+    If the default group already exists, returns a `TorchComm` over it.
+
+    A process that exits without destroying its group aborts under gloo: prefer
+    `with fzero.distributed() as comm:`, or call `destroy_distributed()` at the end.
+
+    Args:
+        backend: "nccl" or "gloo"; None: nccl if CUDA is available, else gloo.
+        timeout: Timeout of every collective of the group.
+        device: CUDA device for this process (NCCL); None: `cuda:LOCAL_RANK` for nccl, CPU
+            otherwise. A CUDA device is made current with `torch.cuda.set_device`.
+
+    Returns:
+        A `TorchComm` over the default group.
+
+    Raises:
+        ValueError: On a missing or malformed launcher variable, or no usable CUDA device.
+    """
+    if dist.is_initialized():
+        return TorchComm()
+    env = parse_launch_env(os.environ)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dev = _pick_device(backend, env.local_rank, device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    if backend == "nccl":
+        kwargs["device_id"] = dev
+    if env.launcher == "torchrun":
+        dist.init_process_group(init_method="env://", **kwargs)
+    elif env.world_size == 1:
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    else:
+        host = f"[{env.master_addr}]" if ":" in str(env.master_addr) else env.master_addr
+        dist.init_process_group(
+            init_method=f"tcp://{host}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            **kwargs,
+        )
+    return TorchComm()
+
+
+def destroy_distributed() -> None:
+    """Destroy the default process group if there is one (no-op otherwise)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed(
+    backend: str | None = None,
+    *,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    device: torch.device | str | int | None = None,
+) -> Iterator[TorchComm]:
+    """`init_distributed` for a `with` block; destroys the group on exit if it created it.
+
+    Args:
+        backend: As in `init_distributed`.
+        timeout: As in `init_distributed`.
+        device: As in `init_distributed`.
+
+    Yields:
+        A `TorchComm` over the default group.
+    """
+    created = not dist.is_initialized()
+    comm = init_distributed(backend, timeout=timeout, device=device)
+    try:
+        yield comm
+    finally:
+        if created:
+            destroy_distributed()
+

@@ -1,0 +1,236 @@
+"""`TorchComm`: the `fzero.comm.Comm` protocol over a `torch.distributed` process group.
+
+gloo on CPU, NCCL on CUDA. Validation and ring byte accounting come from `fzero.comm.CommBase`;
+this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fzero.comm import CommBase, Work
+
+__all__ = ["NO_GROUP_HELP", "TRANSPORTS", "TorchComm"]
+
+TRANSPORTS: tuple[str, ...] = ("single", "per_rank")
+"""How `TorchComm` implements all-gather and reduce-scatter (see its docstring)."""
+
+NO_GROUP_HELP = (
+    "TorchComm needs an initialized torch.distributed process group: call "
+    "fzero.init_distributed() (or use `with fzero.distributed() as comm:`) first, or "
+    "torch.distributed.init_process_group(...) yourself."
+)
+
+
+class _SingleTensorCollectives(NamedTuple):
+    all_gather: Callable[..., Any]
+    reduce_scatter: Callable[..., Any]
+
+
+def _single_tensor_collectives() -> _SingleTensorCollectives:
+    """torch >= 2.13 names them `*_single`; the old names (2.6 - 2.12) warn from 2.13 on."""
+    if hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single"):
+        return _SingleTensorCollectives(dist.all_gather_single, dist.reduce_scatter_single)
+    return _SingleTensorCollectives(dist.all_gather_into_tensor, dist.reduce_scatter_tensor)
+
+
+def _reduce_op(op: str) -> Any:
+    if op == "sum":
+        return dist.ReduceOp.SUM
+    if op == "avg":
+        return dist.ReduceOp.AVG
+    if op == "max":
+        return dist.ReduceOp.MAX
+    if op == "min":
+        return dist.ReduceOp.MIN
+    raise AssertionError(f"unvalidated op {op!r}")
+
+
+class _TorchWork:
+    """Torch `Work`s (one or several) whose `wait()` returns None, then runs an optional
+    epilogue once."""
+
+    __slots__ = ("_works", "_timeout", "_then")
+
+    def __init__(
+        self, work: Any, timeout: timedelta | None, then: Callable[[], object] | None
+    ) -> None:
+        self._works = work if isinstance(work, list) else [work]
+        self._timeout = timeout
+        self._then = then
+
+    def wait(self) -> None:
+        for work in self._works:
+            if self._timeout is None:
+                work.wait()
+            else:
+                work.wait(self._timeout)
+        then, self._then = self._then, None
+        if then is not None:
+            then()
+
+    def is_completed(self) -> bool:
+        return all(bool(work.is_completed()) for work in self._works)
+
+
+def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0:
+        return timedelta(seconds=timeout)
+    raise TypeError(f"timeout must be a timedelta, positive seconds or None, got {timeout!r}")
+
+
+class TorchComm(CommBase):
+    """`Comm` over a `torch.distributed` process group (gloo on CPU, NCCL on CUDA).
+
+    Uses the single-tensor collectives (`all_gather_single` / `reduce_scatter_single`, or their
+    pre-2.13 names), so no per-rank tensor lists are built. "avg" uses `ReduceOp.AVG`; if the
+    backend rejects it (gloo before torch 2.13 does, identically on every rank and before any
+    communication), this comm switches to SUM followed by a division by world_size, which is
+    what AVG computes.
+
+    Args:
+        group: The process group; None for the default group.
+        timeout: If given, the CPU-side wait of every collective is bounded by it (on NCCL this
+            makes `wait()` block the CPU). None: the group's own timeout applies.
+        transport: ``"single"`` or ``"per_rank"`` (see above); None picks by backend.
+
+    Attributes:
+        group: The process group (None: the default group).
+        backend: The group's backend name, e.g. "gloo" or "nccl".
+        device: Where this comm's tensors live: the current CUDA device for NCCL, else CPU.
+
+    Raises:
+        ValueError: If no process group is initialized or this process is not in `group`.
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        timeout: timedelta | float | None = None,
+        transport: str | None = None,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(NO_GROUP_HELP)
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not in {group=}")
+        super().__init__(rank, dist.get_world_size(group))
+        self.group = group
+        self.backend = str(dist.get_backend(group))
+        if self.backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self.timeout = _as_timedelta(timeout)
+        self._ops = _single_tensor_collectives()
+        self._native_avg = True
+        if transport is None:
+            transport = "per_rank" if self.backend == "gloo" else "single"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.transport = transport
+        self._global_ranks = [
+            r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)
+        ]
+
+    def _issue(
+        self,
+        start: Callable[[bool], Any],
+        async_op: bool,
+        then: Callable[[], object] | None = None,
+    ) -> Work | None:
+        if async_op or self.timeout is not None or self.transport == "per_rank":
+            work = _TorchWork(start(True), self.timeout, then)
+            if async_op:
+                return work
+            work.wait()
+            return None
+        start(False)
+        if then is not None:
+            then()
+        return None
+
+    def _reduce(
+        self, start: Callable[[Any, bool], Any], op: str, result: Tensor, async_op: bool
+    ) -> Work | None:
+        if op == "avg" and self._native_avg:
+            try:
+                return self._issue(lambda a: start(dist.ReduceOp.AVG, a), async_op)
+            except (RuntimeError, ValueError) as exc:
+                if "AVG" not in str(exc):
+                    raise
+                self._native_avg = False
+        if op == "avg":
+            n = self.world_size
+            return self._issue(
+                lambda a: start(dist.ReduceOp.SUM, a), async_op, then=lambda: result.div_(n)
+            )
+        torch_op = _reduce_op(op)
+        return self._issue(lambda a: start(torch_op, a), async_op)
+
+    def _all_gather(self, output: Tensor, input: Tensor, async_op: bool) -> Work | None:
+        if self.transport == "per_rank":
+            s = input.numel()
+            output[self.rank * s : (self.rank + 1) * s].copy_(input)
+            works = [
+                dist.broadcast(output[q * s : (q + 1) * s], src=src, group=self.group,
+                               async_op=True)
+                for q, src in enumerate(self._global_ranks)
+            ]
+            return self._issue(lambda a: works, async_op)
+        fn = self._ops.all_gather
+        return self._issue(lambda a: fn(output, input, group=self.group, async_op=a), async_op)
+
+    def _reduce_scatter(
+        self, output: Tensor, input: Tensor, op: str, async_op: bool
+    ) -> Work | None:
+        if self.transport == "per_rank":
+            s, n = output.numel(), self.world_size
+            works = [
+                dist.reduce(input[q * s : (q + 1) * s], dst=dst, op=dist.ReduceOp.SUM,
+                            group=self.group, async_op=True)
+                for q, dst in enumerate(self._global_ranks)
+            ]
+            mine = input[self.rank * s : (self.rank + 1) * s]
+
+            def finish() -> None:
+                output.copy_(mine)
+                if op == "avg":
+                    output.div_(n)  # what ReduceOp.AVG computes: the sum divided by N
+
+            return self._issue(lambda a: works, async_op, then=finish)
+        fn = self._ops.reduce_scatter
+
+        def start(torch_op: Any, a: bool) -> Any:
+            return fn(output, input, op=torch_op, group=self.group, async_op=a)
+
+        return self._reduce(start, op, output, async_op)
+
+    def _all_reduce(self, tensor: Tensor, op: str, async_op: bool) -> Work | None:
+        def start(torch_op: Any, a: bool) -> Any:
+            return dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=a)
+
+        return self._reduce(start, op, tensor, async_op)
+
+    def _broadcast(self, tensor: Tensor, src: int, async_op: bool) -> Work | None:
+        global_src = src if self.group is None else dist.get_global_rank(self.group, src)
+        return self._issue(
+            lambda a: dist.broadcast(tensor, src=global_src, group=self.group, async_op=a),
+            async_op,
+        )
+
+    def barrier(self) -> None:
+        """Block until every rank of the group has called `barrier`."""
+        device_ids = [self.device.index] if self.backend == "nccl" else None
+        dist.barrier(group=self.group, device_ids=device_ids)
+
+
