@@ -8,15 +8,28 @@ Pure core: `plan` (layout), `flatten` / `unflatten` / `shard` / `unshard` (flat 
 from fzero import memory, optim
 from fzero.collect import Collectives, Pending, Streams, collectives
 from fzero.comm import Comm, CommCounters, Work
+from fzero.consensus import StepError
 from fzero.flat import bucket_shards, flatten, shard, unflatten, unshard
 from fzero.launch import destroy_distributed, distributed, init_distributed
 from fzero.layout import Bucket, Entry, ShardLayout, plan
+from fzero.residency import OutsideOwnerError
 from fzero.simworld import SimComm, SimWorld, SimWorldError
-from fzero.state import LossScale, ShardState, init
-from fzero.step import full_params, make_eval_step, make_train_step
+from fzero.state import LossScale, ShardState, clone_state, init
+from fzero.step import (
+    MicroBatches,
+    decay_matrices,
+    full_params,
+    make_eval_step,
+    make_train_step,
+)
 from fzero.torchcomm import TorchComm
 
 __all__ = [
+    "MicroBatches",
+    "OutsideOwnerError",
+    "StepError",
+    "clone_state",
+    "decay_matrices",
     "Bucket",
     "Collectives",
     "LossScale",

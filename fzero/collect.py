@@ -86,6 +86,10 @@ class Pending:
             self._event = None
         return self._output
 
+    def is_completed(self) -> bool:
+        """Whether `wait()` would return without blocking the host (never blocks)."""
+        return self._work is None or bool(self._work.is_completed())
+
 
 @contextlib.contextmanager
 def _on_side_stream(stream: Any | None, *tensors: Tensor) -> Iterator[Any | None]:

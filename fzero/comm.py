@@ -62,6 +62,8 @@ REDUCE_SCATTER_OPS: tuple[str, ...] = ("sum", "avg")
 ALL_REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
 """Reductions `Comm.all_reduce` accepts."""
 
+_SIGNATURE_MODULUS = 2**61 - 1  # a Mersenne prime: signatures fit in an int64
+
 
 # ----------------------------------------------------------------------------------------------
 # Protocols
@@ -122,6 +124,23 @@ class Comm(Protocol):
 
     def barrier(self) -> None:
         """Block until every rank has reached the barrier."""
+        ...
+
+    def channel(self, name: str, *, host: bool = False) -> Comm:
+        """A communicator over the same ranks whose collectives form their own sequence.
+
+        Collectives on different channels are matched independently: every rank must issue the
+        same sequence on each channel, but the interleaving between channels may differ between
+        ranks. ``host=True`` asks for CPU tensors (a gloo group beside NCCL), for small control
+        messages that must not wait on the device. Each channel counts its own bytes. The first
+        call for a name is a collective (every rank must make it); later calls return the same
+        channel.
+        """
+        ...
+
+    @property
+    def signature(self) -> int:
+        """A running hash of every collective this comm issued (kind, op, sizes, dtype)."""
         ...
 
 
@@ -239,10 +258,10 @@ def _check_op(coll: str, rank: int, op: object, allowed: tuple[str, ...], t: Ten
 class CommBase:
     """Validation and byte accounting shared by every `Comm` implementation.
 
-    Subclasses implement `_all_gather`, `_reduce_scatter`, `_all_reduce`, `_broadcast` and
-    `barrier`; the public methods validate their arguments (before any communication), count the
-    bytes, then call them. Validation only looks at this rank's arguments, so a bad call raises
-    on the rank that made it.
+    Subclasses implement `_all_gather`, `_reduce_scatter`, `_all_reduce`, `_broadcast`,
+    `_open_channel` and `barrier`; the public methods validate their arguments (before any
+    communication), count the bytes, fold the call into `signature`, then call them. Validation
+    only looks at this rank's arguments, so a bad call raises on the rank that made it.
 
     Args:
         rank: This process's rank in `range(world_size)`.
@@ -262,13 +281,49 @@ class CommBase:
         self.rank = rank
         self.world_size = world_size
         self.counters = CommCounters()
+        self._signature = 0
+        self._channels: dict[str, Comm] = {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
 
-    def _count(self, kind: str, big: Tensor) -> None:
+    @property
+    def signature(self) -> int:
+        """A running hash of every collective issued on this comm: kind, op, numel and dtype.
+
+        Ranks that issued the same collectives in the same order have equal signatures; the
+        train step compares them before it applies an update (see `fzero.schedule`).
+        """
+        return self._signature
+
+    def channel(self, name: str, *, host: bool = False) -> Comm:
+        """A communicator over the same ranks whose collectives form their own sequence.
+
+        Collectives on different channels are matched independently: every rank must issue the
+        same sequence on each channel, but their interleaving may differ between ranks (stage 3
+        all-gathers parameters on one channel while it reduce-scatters gradients on another).
+        ``host=True`` asks for a channel whose tensors live on the CPU (gloo beside NCCL), for
+        small control messages that must not wait on the device. A channel counts its own
+        bytes and has its own `signature`.
+
+        The first call for a name is a collective: every rank must make it, in the same order.
+        Later calls return the same channel.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a channel needs a non-empty str name, got {name!r}")
+        key = f"{name}@host" if host else name
+        if key not in self._channels:
+            self._channels[key] = self._open_channel(key, host)
+        return self._channels[key]
+
+    def _count(self, kind: str, big: Tensor, op: str | None = None) -> None:
         self.counters.record(
             kind, ring_bytes(kind, big.numel(), big.element_size(), self.world_size)
+        )
+        code = (COLLECTIVES.index(kind), op, big.numel(), str(big.dtype))
+        digest = hashlib.blake2b(repr(code).encode(), digest_size=8).digest()
+        self._signature = (self._signature * 1_000_003 + int.from_bytes(digest, "little")) % (
+            _SIGNATURE_MODULUS
         )
 
     def all_gather(self, output: Tensor, input: Tensor, *, async_op: bool = False) -> Work | None:
@@ -324,7 +379,7 @@ class CommBase:
                 f"{self.world_size * out.numel()}"
             )
         op = _check_op("reduce_scatter", self.rank, op, REDUCE_SCATTER_OPS, out)
-        self._count("reduce_scatter", inp)
+        self._count("reduce_scatter", inp, op)
         return self._reduce_scatter(out, inp, op, async_op)
 
     def all_reduce(self, tensor: Tensor, *, op: str = "sum", async_op: bool = False) -> Work | None:
@@ -344,7 +399,7 @@ class CommBase:
         """
         t = _check_tensor("all_reduce", self.rank, "tensor", tensor)
         op = _check_op("all_reduce", self.rank, op, ALL_REDUCE_OPS, t)
-        self._count("all_reduce", t)
+        self._count("all_reduce", t, op)
         return self._all_reduce(t, op, async_op)
 
     def broadcast(self, tensor: Tensor, *, src: int = 0, async_op: bool = False) -> Work | None:
@@ -378,6 +433,9 @@ class CommBase:
         raise NotImplementedError
 
     # Implementations receive validated arguments and must honour async_op.
+    def _open_channel(self, name: str, host: bool) -> Comm:
+        raise NotImplementedError
+
     def _all_gather(self, output: Tensor, input: Tensor, async_op: bool) -> Work | None:
         raise NotImplementedError
 

@@ -8,6 +8,13 @@ The equations every function here satisfies, for a layout ``L`` with ``N = L.wor
     unflatten(flatten(p, L), L)         == p          (views, no copies)
     unshard([shard(p, L, r) for r < N]) == p          (bitwise)
 
+and, on one bucket's flat buffer ``f`` (the train step slices its buffers with these, so the
+round-trip laws above are about the code training runs):
+
+    entry_views(f, b)[i]  == unflatten([f], b)[entry i]       (views of f)
+    alias_leaves(f, b)[i] == entry_views(f, b)[i]             (a leaf per entry, f's storage)
+    shard_view(f, b, r)   == shard(unflatten([f], b), b, r)   (a view of f)
+
 They work on any device, `meta` included, and copy each element once. Results of `flatten`,
 `shard` and `unshard` are new tensors outside autograd (the differentiable path is
 `fzero.collectives`' gather).
@@ -23,7 +30,16 @@ import torch
 
 from fzero.layout import Bucket, ShardLayout, _check_rank, flatten_names
 
-__all__ = ["bucket_shards", "flatten", "shard", "unflatten", "unshard"]
+__all__ = [
+    "alias_leaves",
+    "bucket_shards",
+    "entry_views",
+    "flatten",
+    "shard",
+    "shard_view",
+    "unflatten",
+    "unshard",
+]
 
 
 def flatten(params: Mapping[str, Any], layout: ShardLayout) -> tuple[torch.Tensor, ...]:
@@ -59,8 +75,7 @@ def unflatten(flats: Sequence[torch.Tensor], layout: ShardLayout) -> dict[str, t
     _check_buffers(flats, layout, "flats", lambda b: b.padded_numel)
     params: dict[str, torch.Tensor] = {}
     for flat, bucket in zip(flats, layout.buckets, strict=True):
-        for entry in bucket.entries:
-            view = flat[entry.offset : entry.end].view(entry.shape)
+        for entry, view in zip(bucket.entries, entry_views(flat, bucket), strict=True):
             params.update(dict.fromkeys(entry.names, view))
     return params
 
@@ -120,6 +135,36 @@ def unshard(
     return unflatten(flats, layout)
 
 
+def entry_views(flat: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
+    """Views of a bucket's ``(padded_numel,)`` flat buffer, one per entry, in its shape."""
+    return [flat[entry.offset : entry.end].view(entry.shape) for entry in bucket.entries]
+
+
+def alias_leaves(flat: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
+    """One new tensor per entry aliasing `flat`'s storage at the entry's offset, in its shape.
+
+    Unlike `entry_views`, each is its own autograd leaf (``requires_grad`` when the bucket is
+    trainable): its gradient accumulates as soon as it is ready, not when a view node of one
+    flat leaf runs at the end of backward (see `fzero.buckets`). Create them while the storage
+    is allocated: `set_` checks bounds, so a storage resized to 0 bytes cannot be aliased.
+    """
+    storage = flat.untyped_storage()
+    base = flat.storage_offset()
+    leaves = []
+    with torch.no_grad():
+        for entry in bucket.entries:
+            leaf = torch.empty(0, dtype=flat.dtype, device=flat.device)
+            leaf.set_(storage, base + entry.offset, entry.shape, _contiguous_strides(entry.shape))
+            leaves.append(leaf.requires_grad_(bucket.trainable))
+    return leaves
+
+
+def shard_view(flat: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
+    """Rank `rank`'s ``(shard_numel,)`` slice of a bucket's padded flat buffer (a view)."""
+    lo, hi = bucket.shard_range(rank)
+    return flat[lo:hi]
+
+
 def bucket_shards(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
     """A ``(world_size, shard_numel)`` view of a bucket's padded flat buffer; row r is rank r's."""
     return einops.rearrange(flat, "(w s) -> w s", w=bucket.world_size)
@@ -174,6 +219,14 @@ def _match(params: Mapping[str, Any], layout: ShardLayout) -> dict[str, torch.Te
                 )
             tensors[entry.name] = tensor
     return tensors
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _device(tensors: Mapping[str, torch.Tensor]) -> torch.device:

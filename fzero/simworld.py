@@ -5,9 +5,9 @@ a `SimComm`, which implements the `fzero.comm.Comm` protocol in memory. It inher
 and byte accounting from `CommBase`, so counters and error messages are those of `TorchComm`.
 
 [Note: SimWorld semantics]
-- Matching: every rank numbers its collectives 0, 1, 2, ...; the collectives with the same number
-  must agree on kind, sizes, dtype, op and src, else every rank fails with an error naming both
-  calls.
+- Matching: every rank numbers its collectives 0, 1, 2, ... per channel (`SimComm.channel`);
+  the collectives with the same channel and number must agree on kind, sizes, dtype, op and
+  src, else every rank fails with an error naming both calls.
 - Numerics: reductions add the ranks' tensors in rank order, in the tensors' dtype; "avg" is that
   sum divided by N. At 2 ranks this is bitwise what gloo computes (gloo's AVG is also sum then
   divide); at 3+ ranks gloo sums each chunk in ring order, so results agree within rounding.
@@ -38,6 +38,8 @@ from torch import Tensor
 from fzero.comm import CommBase, Work
 
 __all__ = ["SimComm", "SimWorld", "SimWorldError"]
+
+_MAIN = "main"  # the channel of a `SimComm` made by `SimWorld.run`
 
 
 class SimWorldError(RuntimeError):
@@ -133,7 +135,7 @@ class _World:
         self.n = n
         self.timeout = timeout
         self.cond = threading.Condition()
-        self.slots: dict[int, _Slot] = {}
+        self.slots: dict[tuple[str, int], _Slot] = {}
         self.finished: set[int] = set()
         self.failed_rank: int | None = None
 
@@ -148,16 +150,17 @@ class _World:
             self.finished.add(rank)
             self.cond.notify_all()
 
-    def _aborted(self, rank: int, seq: int, call: _Call) -> _Aborted:
+    def _aborted(self, rank: int, seq: str, call: _Call) -> _Aborted:
         return _Aborted(
             f"{call.kind} #{seq} on rank {rank} aborted: rank {self.failed_rank} failed"
         )
 
-    def collective(self, rank: int, seq: int, call: _Call) -> None:
+    def collective(self, rank: int, channel: str, number: int, call: _Call) -> None:
+        seq = f"{number}" if channel == _MAIN else f"{number} on channel {channel!r}"
         with self.cond:
             if self.failed_rank is not None:
                 raise self._aborted(rank, seq, call)
-            slot = self.slots.setdefault(seq, _Slot(self.n))
+            slot = self.slots.setdefault((channel, number), _Slot(self.n))
             for q, other in enumerate(slot.calls):
                 if other is not None and other.signature() != call.signature():
                     raise ValueError(
@@ -168,7 +171,7 @@ class _World:
             slot.arrived += 1
             last = slot.arrived == self.n
             if last:
-                del self.slots[seq]
+                del self.slots[(channel, number)]
             else:
                 self._wait(rank, seq, call, slot)
         if last:
@@ -185,7 +188,7 @@ class _World:
             slot.done = True
             self.cond.notify_all()
 
-    def _wait(self, rank: int, seq: int, call: _Call, slot: _Slot) -> None:
+    def _wait(self, rank: int, seq: str, call: _Call, slot: _Slot) -> None:
         """Wait (holding `cond`) until `slot` completes, the world fails, or time runs out."""
         deadline = time.monotonic() + self.timeout
         while not slot.done:
@@ -235,17 +238,23 @@ class SimComm(CommBase):
         device: Always CPU (the device `fingerprint_check` and friends allocate on).
     """
 
-    def __init__(self, world: _World, rank: int) -> None:
+    def __init__(self, world: _World, rank: int, channel: str = "") -> None:
         super().__init__(rank, world.n)
         self.device = torch.device("cpu")
         self._world = world
+        self._name = channel or _MAIN
         self._seq = 0
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"simworld-rank{rank}-comm")
+        self._executor = ThreadPoolExecutor(
+            1, thread_name_prefix=f"simworld-rank{rank}-{self._name}"
+        )
         self._unwaited: list[BaseException] = []  # failures only: empty on the happy path
+
+    def _open_channel(self, name: str, host: bool) -> SimComm:
+        return SimComm(self._world, self.rank, name)  # no collective needed in one process
 
     def _submit(self, call: _Call, async_op: bool) -> Work | None:
         seq, self._seq = self._seq, self._seq + 1
-        future = self._executor.submit(self._world.collective, self.rank, seq, call)
+        future = self._executor.submit(self._world.collective, self.rank, self._name, seq, call)
         if async_op:
             future.add_done_callback(self._note_failure)
             return _SimWork(future)
@@ -258,9 +267,11 @@ class SimComm(CommBase):
             self._unwaited.append(exc)
 
     def _drain(self) -> BaseException | None:
-        """Let pending collectives finish; return the first failure among them, if any."""
+        """Let pending collectives finish (channels too); return the first failure, if any."""
+        failures = [c._drain() for c in self._channels.values() if isinstance(c, SimComm)]
         self._executor.shutdown(wait=True)
-        return self._unwaited[0] if self._unwaited else None
+        failures.insert(0, self._unwaited[0] if self._unwaited else None)
+        return next((f for f in failures if f is not None), None)
 
     def _all_gather(self, output: Tensor, input: Tensor, async_op: bool) -> Work | None:
         call = _Call(

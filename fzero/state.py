@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,15 +30,18 @@ from torch import Tensor, nn
 
 from fzero import memory
 from fzero.comm import Comm, fingerprint_check
-from fzero.flat import flatten
+from fzero.flat import flatten, shard_view
 from fzero.layout import Bucket, Entry, ShardLayout, plan
 from fzero.optim import Optimizer
 
 __all__ = [
+    "Lease",
     "LossScale",
     "ShardConfig",
     "ShardState",
     "STAGES",
+    "check_live",
+    "clone_state",
     "init",
     "state_bytes",
     "state_bytes_theory",
@@ -83,14 +86,33 @@ class ShardConfig:
     device: torch.device
 
 
+class Lease:
+    """Whether a state still owns its tensors: a train step consumes (donates) its input.
+
+    [Note: donation]
+    ``step(state, batch)`` updates the input state's tensors in place and returns a new state
+    over the same storage, as a JAX function with donated arguments does: optimizer memory
+    never doubles. The input state is then *consumed*: using it again (a step, `full_params`,
+    a save) raises, naming the step that consumed it, instead of silently reading the new
+    values. `clone_state` keeps a copy on purpose (for a rollback, an EMA, a comparison).
+    """
+
+    __slots__ = ("consumed_by",)
+
+    def __init__(self) -> None:
+        self.consumed_by: int | None = None  # the step number that consumed the state
+
+    def __repr__(self) -> str:
+        return f"Lease(consumed_by={self.consumed_by})"
+
+
 @dataclass(frozen=True)
 class ShardState:
     """One rank's training state for ZeRO stage `stage` (see the module docstring's table).
 
     A pytree: the tensors (params, grads, master, moments, buffers) are its leaves; layout,
-    stage, step, loss scale and config are static. Train steps return a new state made with
-    `dataclasses.replace`; buffers of the old one may be reused in place (the state is
-    consumed, like a donated argument in JAX).
+    stage, step, loss scale and config are static. Train steps consume their input state (see
+    `Lease`) and return a new one made with `dataclasses.replace`.
     """
 
     layout: ShardLayout
@@ -104,8 +126,13 @@ class ShardState:
     config: ShardConfig
     loss_scale: LossScale | None = None
     bucket_order: Any = None
-    """Stage 3: a `fzero.buckets.BucketOrder`, the order the last step's forward and backward
-    first needed each bucket (drives prefetch); None before the first step."""
+    """Stage 3: a `fzero.schedule.BucketOrder`, the sequences of bucket uses the last step's
+    forward and backward agreed on (the next step gathers along them); None before the first."""
+    param_steps: tuple[int, ...] | None = None
+    """Optimizer steps each trainable entry received (in layout order), when some parameter
+    went unused by every rank in some step and so was not updated (as torch.optim skips a
+    parameter whose grad is None); None while every entry received `step` updates."""
+    lease: Lease = field(default_factory=Lease, compare=False, repr=False)
 
     @property
     def trainable(self) -> tuple[int, ...]:
@@ -116,6 +143,43 @@ class ShardState:
     def rank(self) -> int:
         """This rank."""
         return self.config.comm.rank
+
+
+def check_live(state: Any, what: str) -> None:
+    """Raise unless `state` is a `ShardState` that no train step has consumed.
+
+    Raises:
+        TypeError: not a ShardState.
+        ValueError: consumed (see `Lease`), naming the step that consumed it.
+    """
+    if not isinstance(state, ShardState):
+        raise TypeError(f"{what} needs a ShardState (from fzero.init), got {type(state).__name__}")
+    consumed = state.lease.consumed_by
+    if consumed is not None:
+        raise ValueError(
+            f"{what}: this state was consumed by train step {consumed}, which updated its "
+            f"tensors in place and returned the new state (like a donated argument in JAX). "
+            f"Use the state that step returned, or keep a copy before the step with "
+            f"fzero.clone_state(state)"
+        )
+
+
+def clone_state(state: ShardState) -> ShardState:
+    """A copy of `state` with its own tensors (views of one storage stay views of one copy).
+
+    Keep one before a train step when you need the old values afterwards (a rollback, an EMA, a
+    comparison): the step consumes its input state.
+
+    Raises:
+        TypeError, ValueError: `state` is not a live ShardState.
+    """
+    check_live(state, "clone_state")
+    tensors = (state.params, state.grads, state.master, state.moments, state.buffers)
+    params, grads, master, moments, buffers = copy.deepcopy(tensors)  # one memo: views kept
+    return dataclasses.replace(
+        state, params=params, grads=grads, master=master, moments=moments, buffers=buffers,
+        lease=Lease(),
+    )
 
 
 def _flatten_state(state: ShardState) -> tuple[list[Any], Any]:
@@ -129,17 +193,17 @@ def _flatten_state(state: ShardState) -> tuple[list[Any], Any]:
         state.buffers,
     ]
     context = (state.layout, state.stage, state.step, state.config, state.loss_scale,
-               state.bucket_order, present)
+               state.bucket_order, state.param_steps, present)
     return children, context
 
 
 def _unflatten_state(children: Any, context: Any) -> ShardState:
     params, grads, master, moments, buffers = children
-    layout, stage, step, config, loss_scale, bucket_order, present = context
+    layout, stage, step, config, loss_scale, bucket_order, param_steps, present = context
     return ShardState(
         layout, stage, step, tuple(params), _absent(grads, present), _absent(master, present),
         {name: _absent(values, present) for name, values in moments.items()}, dict(buffers),
-        config, loss_scale, bucket_order,
+        config, loss_scale, bucket_order, param_steps,
     )
 
 
@@ -165,7 +229,7 @@ def init(
     comm: Comm,
     buckets: Any = None,
     param_dtype: torch.dtype | None = None,
-    master_dtype: torch.dtype = torch.float32,
+    master_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     trainable: Any = None,
     device: torch.device | str | None = None,
@@ -192,7 +256,9 @@ def init(
         buckets: bucket policy, as for `fzero.plan`.
         param_dtype: compute dtype of floating parameters and buffers (e.g.
             ``torch.bfloat16``, as ``model.to(param_dtype)`` would); default their own dtypes.
-        master_dtype: dtype of the optimizer's copy of trainable parameters and its moments.
+        master_dtype: dtype of the optimizer's copy of trainable parameters and its moments;
+            default the parameters' own dtype but at least float32 (float64 stays float64, as
+            torch.optim keeps it; bfloat16 and float16 get a float32 master copy).
         reduce_dtype: dtype gradients are reduced and kept in; default `param_dtype`.
         trainable: which parameters train, as for `fzero.plan` (default ``requires_grad``).
         device: where the state lives; default the comm's device (CPU for gloo).
@@ -232,6 +298,8 @@ def init(
     device = torch.device(device)
     source_layout = plan(model, comm.world_size, buckets=buckets, trainable=trainable)
     layout = source_layout.cast(param_dtype) if param_dtype is not None else source_layout
+    if master_dtype is None:
+        master_dtype = _default_master_dtype(source_layout)
     fingerprint_check(comm, layout.fingerprint, "layout fingerprint (parameter names, shapes "
                       "and dtypes)")
     source = _bucket_source(model, comm.rank, device, init_fn, load)
@@ -267,7 +335,8 @@ def init(
         if value.numel():
             comm.broadcast(value.view(-1), src=0)
     config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device)
-    loss_scale = LossScale() if param_dtype == torch.float16 else None
+    float16 = any(b.trainable and b.torch_dtype == torch.float16 for b in layout.buckets)
+    loss_scale = LossScale() if float16 else None  # however the model got to float16
     return ShardState(
         layout, stage, 0, tuple(params), tuple(grads), tuple(master), moments, buffers, config,
         loss_scale,
@@ -443,10 +512,17 @@ def _flat_of(bucket: Bucket, values: Mapping[str, Tensor], device: torch.device)
 
 def _keep(flat: Tensor, bucket: Bucket, rank: int, *, full: bool) -> Tensor:
     """`flat` itself when the stage keeps it whole, else this rank's shard (a view)."""
-    if full:
-        return flat
-    lo, hi = bucket.shard_range(rank)
-    return flat[lo:hi]
+    return flat if full else shard_view(flat, bucket, rank)
+
+
+def _default_master_dtype(layout: ShardLayout) -> torch.dtype:
+    """The trainable parameters' widest floating dtype, but at least float32."""
+    widest = torch.float32
+    for bucket in layout.buckets:
+        dtype = bucket.torch_dtype
+        if bucket.trainable and dtype.is_floating_point and dtype.itemsize > widest.itemsize:
+            widest = dtype
+    return widest
 
 
 def _spread(values: tuple[Tensor, ...], master: list[Tensor | None]) -> tuple[Tensor | None, ...]:

@@ -1,11 +1,13 @@
-"""The train step: `torch.func.functional_call` forward and backward for ZeRO stages 0-3.
+"""The train step: forward and backward of the user's module on a `ShardState`, ZeRO stages 0-3.
 
     step = make_train_step(model, loss_fn, accum_steps=1, clip_norm=1.0)
     state, metrics = step(state, batch)     # batch: this rank's 1/N of the global batch
 
 Per micro-batch, ``loss_fn(call, micro_batch)`` computes a scalar loss, where ``call(*a, **kw)``
-runs the model's forward on the state's parameters; then backward. What happens to gradients
-and parameters depends on the stage (DESIGN.md's table):
+runs the model's forward on the state's parameters; then backward. The module is bound to the
+state's tensors by `torch.func.functional_call` for the whole micro-batch, backward included
+(`fzero.bound`), so activation checkpointing recomputes with the right weights. What happens
+to gradients and parameters depends on the stage (docs/design.md's table):
 
 - 0: full parameters and gradients; gradients all-reduced (averaged) once per step; every rank
   updates everything (plain data parallelism, the reference).
@@ -14,16 +16,17 @@ and parameters depends on the stage (DESIGN.md's table):
 - 2: as 1, but each bucket's gradient is reduce-scattered as soon as backward completes it (per
   micro-batch, accumulating into the rank's gradient shard) and the full gradient freed.
 - 3: parameters exist only as shards; each bucket is all-gathered just before its module's
-  forward and released after it, re-gathered in backward when autograd needs it, its gradient
-  reduce-scattered when complete (`fzero.buckets.Resident`).
+  forward and released after, gathered again in backward when autograd needs it, its gradient
+  reduce-scattered when complete (`fzero.residency`).
 
-Then, on every stage: one all-reduce of four scalars (squared gradient norm, loss, batch rows and
-rows squared) gives the global gradient norm, the mean loss and a check that every rank had the
-same batch size; non-finite gradients skip the update (and back off the fp16 loss scale);
-gradients are clipped to `clip_norm`; the optimizer updates the master shards in place.
+A step runs in named phases, each a small function below: check the state and the module,
+split the batch, agree on the step (`fzero.consensus`), run the micro-batches, exchange the
+statistics, then unscale, clip, update and publish. Every collective sequence is fixed or
+agreed (`fzero.schedule`): ranks whose computation differs (a skipped layer) still train
+exactly, and a rank whose computation raises makes every rank raise `StepError` with its state
+unchanged, instead of hanging the others.
 
-The module is never mutated: its parameters are substituted by `functional_call` for the call's
-duration, and the stage-3 forward hooks are removed when the step ends.
+The step consumes its input state (`fzero.state.Lease`): use the returned one.
 """
 
 from __future__ import annotations
@@ -31,36 +34,63 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
-from torch.func import functional_call
 
-from fzero.buckets import (
-    BucketOrder,
-    EagerReduce,
-    GradBuckets,
-    Resident,
-    leaves_over,
-    trigger_modules,
-)
+from fzero.bound import Binder, check_structure
+from fzero.buckets import Completion, Reducer
 from fzero.collect import Streams, all_gather_bucket
-from fzero.flat import unflatten
-from fzero.layout import Bucket, Entry
+from fzero.comm import Comm
+from fzero.consensus import Header, StepError, agree_header, exchange_statistics
+from fzero.flat import alias_leaves, entry_views, shard_view, unflatten
 from fzero.optim import Schedule, clip_coefficient
-from fzero.state import ShardState, state_bytes, state_bytes_theory, trainable_only
+from fzero.residency import PeerFailed, Residency, trigger_modules
+from fzero.schedule import ABORTED, DONE, FAILED, BucketOrder, reduce_order
+from fzero.state import (
+    Lease,
+    ShardState,
+    check_live,
+    state_bytes,
+    state_bytes_theory,
+    trainable_only,
+)
+from fzero.update import apply_update, decay_ranges, entry_spans
 
-__all__ = ["default_decay", "full_params", "make_eval_step", "make_train_step", "split_batch"]
+__all__ = [
+    "MicroBatches",
+    "decay_matrices",
+    "full_params",
+    "make_eval_step",
+    "make_train_step",
+    "split_batch",
+]
 
 LossFn = Callable[[Callable[..., Any], Any], Tensor]
+BUFFER_POLICIES = ("broadcast", "local")
+REDUCE_PATIENCE = 0.5
+"""Stage 3: seconds a bucket's reduction waits for the previous one inside backward (see
+`fzero.buckets.Reducer`)."""
+_CONTROL = "control"
+_GATHER = "stage3.gather"
 
 
-def default_decay(name: str, shape: tuple[int, ...]) -> bool:
-    """Weight decay for matrices and embeddings (2+ dims); none for biases and norm weights."""
+def decay_matrices(name: str, shape: tuple[int, ...]) -> bool:
+    """The GPT weight-decay rule: decay matrices and embeddings (2+ dims), not biases and norm
+    weights. Pass ``decay=fzero.decay_matrices`` to `make_train_step` to use it; the default
+    decays every parameter, as ``torch.optim.AdamW(model.parameters())`` and optax do."""
     return len(shape) >= 2
+
+
+class MicroBatches(list):
+    """Explicit micro-batches for one step: ``step(state, fzero.MicroBatches([mb1, mb2]))``.
+
+    The step averages the loss over them (one backward each). Without this wrapper a batch is
+    never taken apart by its container's length: it is split along dim 0 into `accum_steps`.
+    """
 
 
 def make_train_step(
@@ -71,32 +101,40 @@ def make_train_step(
     clip_norm: float | None = None,
     lr: float | Schedule | None = None,
     prefetch: int = 1,
-    decay: Callable[[str, tuple[int, ...]], bool] = default_decay,
+    decay: Callable[[str, tuple[int, ...]], bool] | None = None,
+    buffers: str = "broadcast",
 ) -> Callable[[ShardState, Any], tuple[ShardState, dict[str, Any]]]:
     """Build ``step(state, batch) -> (state, metrics)`` for `model` (see the module docstring).
 
     Args:
         model: the module whose forward `call` runs; never mutated. For stage 3 it may live on
-            the ``meta`` device (it is only a function there).
+            the ``meta`` device (it is only a function there), also after `fzero.init`.
         loss_fn: ``loss_fn(call, batch) -> scalar loss``, the mean over the batch's rows.
-        accum_steps: micro-batches per step: the batch is split along dim 0 of every tensor
-            in it, or is a list of exactly `accum_steps` micro-batches.
+        accum_steps: micro-batches per step: every tensor of the batch is split along dim 0
+            into this many equal parts (pass `MicroBatches` to give them explicitly).
         clip_norm: clip the global gradient norm (over all trainable parameters, all ranks) to
             this value, as `torch.nn.utils.clip_grad_norm_`; None: no clipping.
         lr: learning rate or schedule of the 1-based step, overriding the optimizer's.
-        prefetch: stage 3: buckets all-gathered ahead of use (0, 1 or 2); bounds memory.
-        decay: ``decay(name, shape)``: whether a parameter gets weight decay.
+        prefetch: stage 3: positions gathered ahead of use (0, 1 or 2); bounds memory.
+        decay: ``decay(name, shape)``: whether a parameter gets weight decay; None (default):
+            every parameter, as torch.optim and optax do; `decay_matrices` for the GPT rule.
+        buffers: ``"broadcast"`` (default, as DDP's ``broadcast_buffers=True``): rank 0's
+            buffers (e.g. BatchNorm running statistics) are copied to every rank before each
+            micro-batch's forward; ``"local"``: each rank keeps its own.
 
     Returns:
         The step function. ``metrics`` holds ``loss`` (mean over ranks and micro-batches),
-        ``grad_norm`` (before clipping), ``skipped`` (non-finite gradients: no update), ``lr``,
-        ``step``, ``comm_bytes`` (this rank's bytes sent, ring accounting) and
-        ``comm_bytes_by_kind``, ``state_bytes``, ``state_bytes_theory`` and
-        ``gathered_bytes_peak`` (stage 3's full buckets at their largest; 0 otherwise) and
-        ``grad_bytes_peak`` (stages 2-3: full bucket gradients being reduced, at their largest).
+        ``grad_norm`` (before clipping), ``skipped`` (non-finite gradients: no update),
+        ``nonfinite_ranks`` (ranks whose loss was not finite), ``lr``, ``step``, ``comm_bytes``
+        (this rank's bytes sent for parameters and gradients, ring accounting, charged when a
+        collective is issued) and ``comm_bytes_by_kind``, ``control_bytes`` (the step's small
+        agreement messages), ``state_bytes``, ``state_bytes_theory``,
+        ``gathered_bytes_peak`` (stage 3's full buckets at their largest; 0 otherwise),
+        ``grad_bytes_peak`` (stages 2-3: full bucket gradients being reduced, at their
+        largest) and ``unused`` (names of trainable parameters no rank used this step).
 
     Raises:
-        ValueError: bad `accum_steps`, `clip_norm` or `prefetch`.
+        ValueError: bad `accum_steps`, `clip_norm`, `prefetch` or `buffers`.
     """
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps=}")
@@ -104,84 +142,80 @@ def make_train_step(
         raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm=}")
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2 buckets, got {prefetch=}")
+    if buffers not in BUFFER_POLICIES:
+        raise ValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers=}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if decay is not None and not callable(decay):
+        raise TypeError(f"decay must be None or a function (name, shape) -> bool, got {decay!r}")
+    binder = Binder(model)
+    plans: dict[tuple[str, int, int], Any] = {}  # decay ranges per (layout, stage, rank)
 
     def step(state: ShardState, batch: Any) -> tuple[ShardState, dict[str, Any]]:
-        _check_state(state, model)
+        if not isinstance(state, ShardState):
+            raise TypeError(f"step needs a ShardState (from fzero.init), got "
+                            f"{type(state).__name__}")
+        problem: Exception | None = None
+        micro_batches: list[Any] = []
+        try:  # checks that may fail on one rank only: reported to all through the header
+            check_live(state, "step")
+            check_structure(model, state.layout)
+            micro_batches = split_batch(batch, accum_steps)
+        except (TypeError, ValueError) as exc:
+            problem = exc
         comm = state.config.comm
-        micro_batches = split_batch(batch, accum_steps)
-        before = comm.counters.snapshot()["bytes"]
-        streams = Streams.for_device(state.config.device)
-        for grad in trainable_only(state.grads):
-            grad.zero_()
-        scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
-
-        losses = []
-        with _session(state, model, streams, prefetch) as session:
-            for index, micro in enumerate(micro_batches):
-                loss = session.forward(loss_fn, micro)
-                _check_loss(loss, state)
-                session.backward(loss * (scale / accum_steps), index == len(micro_batches) - 1)
-                losses.append(loss.detach().to(torch.float64))
-            grads = session.info["reduced"]()
-
-        master_dtype = state.config.master_dtype
-        grads = [g if g.dtype == master_dtype else g.to(master_dtype) for g in grads]
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        rows = _rows(micro_batches)
-        stats = torch.stack([
-            _squared_norm(grads, state),
-            torch.stack(losses).mean(),
-            torch.tensor(float(rows), dtype=torch.float64, device=state.config.device),
-            torch.tensor(float(rows) ** 2, dtype=torch.float64, device=state.config.device),
-        ])
-        comm.all_reduce(stats, op="sum")
-        squared_norm, loss_sum, rows_sum, rows_sq_sum = stats.tolist()
-        world = comm.world_size
-        if abs(rows_sq_sum * world - rows_sum**2) > 1e-6 * max(1.0, rows_sum**2):
-            raise ValueError(
-                f"ranks were given batches of different sizes (mean {rows_sum / world:g} rows, "
-                f"sum of squares {rows_sq_sum:g}): give every rank the same number of rows, so "
-                f"that averaging gradients over ranks equals the global batch's mean"
-            )
+        control = comm.channel(_CONTROL, host=True)
+        agree_header(control, _header(state, len(micro_batches), kind=0), what="train step",
+                     own=problem)
+        before = _counts(comm)
+        control_before = control.counters.total()
+        buffers_now = {name: b.clone() for name, b in state.buffers.items()}
+        run = _run(state, model, binder, loss_fn, micro_batches, buffers_now, prefetch,
+                   sync_buffers=buffers == "broadcast")
+        grads = run.grads
+        if run.failure is None and not run.aborted:
+            _unscale(grads, state)
+        stats = _exchange(state, run, control)
+        _raise_if_failed(state, run, stats)
+        next_step = state.step + 1
+        squared_norm = stats.squared_norm
         grad_norm = math.sqrt(squared_norm) if squared_norm >= 0 else float("nan")
         finite = math.isfinite(grad_norm)
-        next_step = state.step + 1
         step_lr = _resolve_lr(lr, next_step)
+        param_steps = state.param_steps
+        used = _used_globally(stats.used, run.used)
         if finite:
-            if clip_norm is not None:  # torch.nn.utils.clip_grad_norm_'s coefficient
-                coef = float(clip_coefficient(torch.tensor(grad_norm), clip_norm))
-                torch._foreach_mul_(grads, coef)
-            masters = trainable_only(state.master)
-            moments = {k: trainable_only(v) for k, v in state.moments.items()}
-            state.config.optimizer.update(
-                grads, moments, masters, step=next_step, lr=step_lr,
-                decay=_decay_ranges(state, decay),
-            )
-            _publish(state, streams)
-        session_info = session.info
-        after = comm.counters.snapshot()["bytes"]
-        by_kind = {kind: after[kind] - before[kind] for kind in after}
+            _clip(grads, grad_norm, clip_norm)
+            param_steps = _update(state, grads, used, decay, step_lr, plans)
+            _publish(state, run.streams)
         new_state = dataclasses.replace(
             state,
             step=next_step if finite else state.step,
             loss_scale=state.loss_scale.after(finite) if state.loss_scale is not None else None,
-            bucket_order=session_info.get("order", state.bucket_order),
+            bucket_order=run.order if run.order is not None else state.bucket_order,
+            buffers=buffers_now,
+            param_steps=param_steps,
+            lease=Lease(),
         )
+        state.lease.consumed_by = next_step
+        world = comm.world_size
+        by_kind = _counts(comm, before)
         metrics = {
-            "loss": loss_sum / world,
+            "loss": stats.loss_sum / world,
             "grad_norm": grad_norm,
             "skipped": not finite,
-            "lr": step_lr if step_lr is not None else _optimizer_lr(state, next_step),
+            "nonfinite_ranks": list(stats.nonfinite),
+            "lr": step_lr if step_lr is not None else _resolve_lr(state.config.optimizer.lr,
+                                                                   next_step),
             "step": new_state.step,
             "comm_bytes": sum(by_kind.values()),
             "comm_bytes_by_kind": by_kind,
+            "control_bytes": control.counters.total() - control_before,
             "state_bytes": state_bytes(new_state),
             "state_bytes_theory": state_bytes_theory(new_state),
-            "gathered_bytes_peak": session_info.get("gathered_bytes_peak", 0),
-            "grad_bytes_peak": session_info.get("grad_bytes_peak", 0),
+            "gathered_bytes_peak": run.gathered_peak,
+            "grad_bytes_peak": run.grad_peak,
+            "unused": _unused_names(state, used),
         }
         if new_state.loss_scale is not None:
             metrics["loss_scale"] = new_state.loss_scale.scale
@@ -195,15 +229,35 @@ def make_eval_step(
 ) -> Callable[[ShardState, Any], Any]:
     """Build ``evaluate(state, batch) -> fn(call, batch)``: forward only, no gradients.
 
-    For stage 3 the buckets are gathered just in time as in training (a collective: every rank
-    must call it with a batch that runs the same modules).
+    For stage 3 the buckets are gathered just in time as in training, and it is a collective:
+    every rank must call it (with batches that may run different modules); below stage 3 it is
+    local. The state is not consumed and its buffers are not changed.
     """
+    binder = Binder(model)
 
     def evaluate(state: ShardState, batch: Any) -> Any:
-        _check_state(state, model)
-        streams = Streams.for_device(state.config.device)
-        with torch.no_grad(), _session(state, model, streams, prefetch, train=False) as session:
-            return session.forward(fn, batch)
+        if state.stage < 3:  # local: no collective, so checks may raise here
+            check_live(state, "evaluate")
+            check_structure(model, state.layout)
+        buffers = {name: b.clone() for name, b in state.buffers.items()}
+        if state.stage < 3:
+            leaves = [entry_views(flat, bucket)
+                      for flat, bucket in zip(state.params, state.layout.buckets, strict=True)]
+            with torch.no_grad():
+                return binder.run(_bindings(state, leaves, buffers),
+                                  lambda: fn(model.__call__, batch))
+        problem: Exception | None = None
+        try:
+            check_live(state, "evaluate")
+            check_structure(model, state.layout)
+        except (TypeError, ValueError) as exc:
+            problem = exc
+        control = state.config.comm.channel(_CONTROL, host=True)
+        agree_header(control, _header(state, 0 if problem else 1, kind=1), what="eval step",
+                     own=problem)
+        with torch.no_grad(), _sharded(state, model, prefetch, train=False) as session:
+            return binder.run(_bindings(state, session.leaves, buffers),
+                              lambda: session.evaluate(fn, model, batch))
 
     return evaluate
 
@@ -212,15 +266,16 @@ def full_params(state: ShardState, *, master: bool = False) -> dict[str, Tensor]
     """All parameters gathered to full tensors on every rank (a collective for stages 1-3).
 
     Args:
-        state: the state.
+        state: the state (not consumed by a step).
         master: return the master copy (e.g. fp32) of trainable parameters instead of the
             compute-dtype parameters.
 
     Returns:
         Names (aliases included) to new tensors (not views of the state).
     """
+    check_live(state, "full_params")
     comm = state.config.comm
-    flats = []
+    flats: list[Tensor | None] = []
     pending = []
     for index, bucket in enumerate(state.layout.buckets):
         source = state.master[index] if master and state.master[index] is not None else None
@@ -243,25 +298,28 @@ def full_params(state: ShardState, *, master: bool = False) -> dict[str, Tensor]
 
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
-    """Split a batch into `parts` micro-batches.
+    """Split a batch into `parts` micro-batches along dim 0 of every tensor in it.
 
-    A list of exactly `parts` items is taken as the micro-batches. Otherwise every tensor in the
-    batch (any pytree: tuple, dict, ...) is split along dim 0 into equal parts; other leaves are
-    shared.
+    A `MicroBatches` list is taken as given (any length). Otherwise the batch (any pytree:
+    tuple, list, dict, ...) is split: every tensor along dim 0 into `parts` equal parts; other
+    leaves are shared. A container's length is never taken to mean micro-batches.
 
     Raises:
-        ValueError: a tensor's dim 0 does not divide into `parts`, or the batch has no tensor.
+        ValueError: a tensor's dim 0 does not divide into `parts`, the batch has no tensor, or
+            `MicroBatches` is empty.
     """
+    if isinstance(batch, MicroBatches):
+        if not batch:
+            raise ValueError("MicroBatches([]) holds no micro-batch; give at least one")
+        return list(batch)
     if parts == 1:
         return [batch]
-    if isinstance(batch, list) and len(batch) == parts:
-        return batch
     leaves, spec = pytree.tree_flatten(batch)
     tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
     if not tensors:
         raise ValueError(
-            f"accum_steps={parts} needs a batch with tensors to split along dim 0, or a list of "
-            f"{parts} micro-batches; got {type(batch).__name__}"
+            f"accum_steps={parts} needs a batch with tensors to split along dim 0 (or "
+            f"fzero.MicroBatches([...]) of explicit micro-batches); got {type(batch).__name__}"
         )
     for leaf in tensors:
         if leaf.dim() == 0 or leaf.shape[0] % parts:
@@ -279,154 +337,393 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     ]
 
 
-# --- sessions: forward and backward for one step ----------------------------------------------
+# --- running the micro-batches ----------------------------------------------------------------
 
 
-class _Session(NamedTuple):
-    forward: Callable[[Callable[..., Any], Any], Any]
-    backward: Callable[[Tensor, bool], None]  # (loss, last micro-batch of the step)
-    info: dict[str, Any]  # "reduced": () -> reduced gradients; peaks and learned order
+@dataclasses.dataclass
+class _Run:
+    """What running a step's micro-batches left behind on this rank."""
+
+    losses: list[Tensor]
+    grads: list[Tensor]  # per trainable bucket, reduced (stage 0: full; else this rank's shard)
+    used: list[bool]  # per trainable entry, whether this rank's backward reached it
+    rows: int
+    failure: BaseException | None  # this rank's own exception, if its computation raised
+    aborted: bool  # some rank failed (known to every rank at stage 3)
+    order: BucketOrder | None  # stage 3: the agreed sequences
+    streams: Streams | None
+    gathered_peak: int
+    grad_peak: int
 
 
-@contextlib.contextmanager
-def _session(
+def _run(
     state: ShardState,
     model: nn.Module,
-    streams: Streams | None,
+    binder: Binder,
+    loss_fn: LossFn,
+    micro_batches: Sequence[Any],
+    buffers: dict[str, Tensor],
     prefetch: int,
     *,
-    train: bool = True,
-) -> Iterator[_Session]:
-    if state.stage < 3:
-        with _replicated(state, model, streams, train) as session:
-            yield session
-    else:
-        with _sharded(state, model, streams, prefetch, train) as session:
-            yield session
+    sync_buffers: bool,
+) -> _Run:  # noqa: PLR0913
+    """Forward and backward of every micro-batch, with the stage's gradient reductions."""
+    scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
+    factor = scale / len(micro_batches)
+    session_of = _sharded(state, model, prefetch, train=True) if state.stage == 3 else (
+        _replicated(state))
+    losses: list[Tensor] = []
+    failure: BaseException | None = None
+    with session_of as session:
+        bindings = _bindings(state, session.leaves, buffers)
+        for index, micro in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            if session.aborted:  # every rank knows: nobody computes the rest
+                continue
+            if sync_buffers:
+                _broadcast_buffers(state.config.comm, buffers)
+            if failure is not None:  # only this rank knows: keep the collective sequence
+                session.skip(last)
+                continue
+            try:
+                loss = binder.run(bindings, lambda m=micro, lt=last: session.micro_batch(
+                    loss_fn, model, m, factor, lt))
+                if loss is not None:
+                    losses.append(loss)
+            except PeerFailed:  # a round showed another rank failed: stop with everyone
+                session.recover(last, peer=True)
+            except Exception as exc:  # every rank must learn of it: see _raise_if_failed
+                failure = exc
+                session.recover(last, peer=False)
+        grads = session.finish()
+        return _Run(
+            losses=losses,
+            grads=grads,
+            used=[flag for flags, bucket in zip(session.completion.used, state.layout.buckets,
+                                                strict=True) if bucket.trainable for flag in flags],
+            rows=_rows(micro_batches),
+            failure=failure,
+            aborted=session.aborted,
+            order=session.order,
+            streams=session.streams,
+            gathered_peak=session.gathered_peak,
+            grad_peak=session.reducer.peak_bytes if session.reducer is not None else 0,
+        )
+
+
+class _ReplicatedSession:
+    """Stages 0-2: full parameters, one leaf per parameter over the flat buffers."""
+
+    def __init__(self, state: ShardState) -> None:
+        layout, stage = state.layout, state.stage
+        self.state = state
+        self.streams = Streams.for_device(state.config.device)
+        self.leaves = [alias_leaves(flat, bucket)
+                       for flat, bucket in zip(state.params, layout.buckets, strict=True)]
+        if stage < 2:  # gradients accumulate in place in the full buffers
+            for index, bucket in enumerate(layout.buckets):
+                if bucket.trainable:
+                    grads = state.grads[index]
+                    assert grads is not None
+                    for leaf, view in zip(self.leaves[index], entry_views(grads, bucket),
+                                          strict=True):
+                        leaf.grad = view
+        for grad in trainable_only(state.grads):
+            grad.zero_()
+        mode = ("all_reduce", "scatter_full", "scatter_leaves")[stage]
+        self.reducer: Reducer | None = Reducer(
+            state.config.comm, layout, self.leaves, state.grads,
+            reduce_order(state.trainable, ()), mode=mode,
+            reduce_dtype=state.config.reduce_dtype if stage < 2 else None, streams=self.streams,
+        )
+        self.completion = Completion(layout, self.leaves, self.reducer.complete)
+        self.aborted = False
+        self.order = None
+        self.gathered_peak = 0
+        self.launched = False  # this round's reductions launched
+
+    def _reduces_now(self, last: bool) -> bool:
+        return self.state.stage == 2 or last
+
+    def micro_batch(self, loss_fn: LossFn, model: nn.Module, micro: Any, factor: float,
+                    last: bool) -> Tensor:
+        self.completion.armed = self._reduces_now(last)
+        loss = loss_fn(model.__call__, micro)
+        _check_loss(loss, self.state)
+        (loss * factor).backward()
+        self._end_micro_batch(last, zero=False)
+        return loss.detach()
+
+    def _end_micro_batch(self, last: bool, *, zero: bool) -> None:
+        assert self.reducer is not None
+        if self._reduces_now(last):
+            self.reducer.launch_rest(zero=zero)
+            if self.state.stage == 2:
+                self.reducer.finish()
+        self.completion.reset()
+
+    def recover(self, last: bool, *, peer: bool) -> None:
+        """This rank's computation raised mid-micro-batch: finish its collectives with zeros."""
+        self._end_micro_batch(last, zero=True)
+
+    def skip(self, last: bool) -> None:
+        """A micro-batch after this rank's failure: its collectives, with zeros."""
+        self._end_micro_batch(last, zero=True)
+
+    def finish(self) -> list[Tensor]:
+        assert self.reducer is not None
+        reduced = self.reducer.finish()
+        self.completion.close()
+        return reduced
+
+    def close(self) -> None:
+        self.completion.close()
 
 
 @contextlib.contextmanager
-def _replicated(
-    state: ShardState, model: nn.Module, streams: Streams | None, train: bool
-) -> Iterator[_Session]:
-    """Stages 0-2: full parameters. Gradients accumulate in place in full buffers, reduced
-    bucket by bucket during the step's last backward (0: all-reduce, 1: reduce-scatter), or
-    are reduce-scattered into shards bucket by bucket during every backward (2)."""
-    layout = state.layout
-    leaves = [
-        leaves_over(flat, bucket) if train else _views(flat, bucket)
-        for flat, bucket in zip(state.params, layout.buckets, strict=True)
-    ]
-    comm = state.config.comm
-    grad_buckets = eager = None
-    if train and state.stage < 2:
-        for index, bucket in enumerate(layout.buckets):
-            if bucket.trainable:
-                for entry, leaf in zip(bucket.entries, leaves[index], strict=True):
-                    leaf.grad = _entry_view(state.grads[index], entry)  # accumulates in place
-        eager = EagerReduce(comm, layout, leaves, state.grads, scatter=state.stage == 1,
-                            reduce_dtype=state.config.reduce_dtype, streams=streams)
-    elif train:
-        grad_buckets = GradBuckets(comm, layout, leaves, state.grads, streams)
-    named = _named(layout.buckets, leaves)
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return functional_call(model, (named, state.buffers), args, kwargs)
-
-    def forward(fn: Callable[..., Any], batch: Any) -> Any:
-        return fn(call, batch)
-
-    def backward(loss: Tensor, last: bool) -> None:
-        if eager is not None:
-            eager.armed = last
-        loss.backward()
-        if grad_buckets is not None:
-            grad_buckets.finish()
-
-    def reduced() -> list[Tensor]:
-        if eager is not None:
-            return eager.results()
-        return [state.grads[i] for i, b in enumerate(layout.buckets) if b.trainable]
-
-    info: dict[str, Any] = {"reduced": reduced}
+def _replicated(state: ShardState) -> Iterator[_ReplicatedSession]:
+    session = _ReplicatedSession(state)
     try:
-        yield _Session(forward, backward, info)
+        yield session
     finally:
-        for helper in (grad_buckets, eager):
-            if helper is not None:
-                helper.close()
-        if grad_buckets is not None:
-            info["grad_bytes_peak"] = grad_buckets.peak_bytes
+        session.close()
+
+
+class _ShardedSession:
+    """Stage 3: parameters gathered just in time (`fzero.residency.Residency`).
+
+    A micro-batch is two phases, forward and backward, each ended on every rank together
+    (`Residency.end_phase`). A rank whose computation raises ends its phase as `FAILED`; every
+    rank learns it there and stops (`aborted`), so none runs a phase the others skip.
+    """
+
+    def __init__(self, state: ShardState, model: nn.Module, prefetch: int, train: bool) -> None:
+        comm = state.config.comm
+        layout = state.layout
+        self.state = state
+        self.streams = Streams.for_device(state.config.device)
+        self.triggers = trigger_modules(model, layout)
+        # The first step has no agreed sequence: it gathers in rounds, learning one.
+        order = state.bucket_order or BucketOrder((), ())
+        self.residency = Residency(
+            data=comm.channel(_GATHER), control=comm.channel(_CONTROL, host=True),
+            layout=layout, shards=state.params, streams=self.streams, order=order,
+            prefetch=prefetch,
+        )
+        self.leaves = self.residency.leaves
+        self.reducer: Reducer | None = None
+        if train:
+            for grad in trainable_only(state.grads):
+                grad.zero_()
+            self.reducer = Reducer(comm, layout, self.leaves, state.grads,
+                                   reduce_order(state.trainable, order.backward),
+                                   mode="scatter_leaves", streams=self.streams,
+                                   patience=REDUCE_PATIENCE)
+        self.completion = Completion(layout, self.leaves, self._on_complete)
+        self.aborted = False
+        self.phase: str | None = None  # the phase under way on this rank
+        self.hooks = contextlib.ExitStack()
+        self.hooks.enter_context(self.residency.module_hooks(self.triggers))
+        if train:
+            self.hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                self.residency.pack, self.residency.unpack))
+
+    @property
+    def order(self) -> BucketOrder:
+        return self.residency.order
+
+    @property
+    def gathered_peak(self) -> int:
+        return self.residency.peak_bytes
+
+    def _on_complete(self, index: int) -> None:
+        self.residency.on_grads_complete(index)
+        assert self.reducer is not None
+        self.reducer.complete(index)
+
+    def _forward(self, fn: Callable[..., Any], model: nn.Module, micro: Any) -> Any:
+        self.phase = "forward"
+        self.residency.begin("forward")
+        try:
+            return fn(model.__call__, micro)
+        except RuntimeError as error:
+            raise self.residency.explain(error, model) from error
+
+    def _end_phase(self, status: int) -> None:
+        end = self.residency.end_phase(status)
+        self.aborted = self.aborted or end.aborted
+        self.phase = None
+
+    def micro_batch(self, loss_fn: LossFn, model: nn.Module, micro: Any, factor: float,
+                    last: bool) -> Tensor | None:
+        loss = self._forward(loss_fn, model, micro)
+        _check_loss(loss, self.state)
+        self._end_phase(DONE)
+        if self.aborted:  # another rank failed in this forward: no rank runs backward
+            return None
+        self.phase = "backward"
+        self.residency.begin("backward")
+        (loss * factor).backward()
+        self._end_backward(DONE)
+        return loss.detach()
+
+    def _end_backward(self, status: int) -> None:
+        assert self.reducer is not None
+        self.reducer.launch_rest(zero=status != DONE)
+        self._end_phase(status)
+        self.reducer.finish()
+        self.completion.reset()
+
+    def recover(self, last: bool, *, peer: bool) -> None:
+        """This rank stopped mid-phase (it raised, or a round showed that a peer failed): end
+        the phase with every rank, which then all stop."""
+        status = ABORTED if peer else FAILED
+        if self.phase == "forward":
+            self._end_phase(status)
+        elif self.phase == "backward":
+            self._end_backward(status)
+        self.aborted = True
+
+    def skip(self, last: bool) -> None:  # pragma: no cover - stage 3 stops every rank at once
+        raise AssertionError("stage 3 stops every rank at a failure")
+
+    def evaluate(self, fn: Callable[..., Any], model: nn.Module, batch: Any) -> Any:
+        try:
+            out = self._forward(fn, model, batch)
+        except Exception:
+            self._end_phase(FAILED)
+            raise
+        self._end_phase(DONE)
+        if self.aborted:
+            raise StepError("another rank failed in this eval step (its own error says why)",
+                            step=self.state.step, ranks=[])
+        return out
+
+    def finish(self) -> list[Tensor]:
+        return [g for g in (self.state.grads[i] for i in self.state.trainable) if g is not None]
+
+    def close(self) -> None:
+        self.hooks.close()
+        self.completion.close()
+        self.residency.release_all()
 
 
 @contextlib.contextmanager
 def _sharded(
-    state: ShardState, model: nn.Module, streams: Streams | None, prefetch: int, train: bool
-) -> Iterator[_Session]:
-    """Stage 3: parameters gathered just in time (see `fzero.buckets.Resident`)."""
-    layout = state.layout
-    triggers = trigger_modules(model, layout)
-    order = state.bucket_order or _registration_order(model, triggers)
-    resident = Resident(state.config.comm, layout, state.params, streams, order, prefetch)
-    if not train:
-        for leaves in resident.leaves:
-            for leaf in leaves:
-                leaf.requires_grad_(False)
-    grad_buckets = (
-        GradBuckets(state.config.comm, layout, resident.leaves, state.grads, streams,
-                    on_complete=resident.on_grads_complete)
-        if train else None
-    )
-    named = _named(layout.buckets, resident.leaves)
-    info: dict[str, Any] = {
-        "reduced": lambda: [state.grads[i] for i, b in enumerate(layout.buckets) if b.trainable]
-    }
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with resident.forward_hooks(triggers):
-            return functional_call(model, (named, state.buffers), args, kwargs)
-
-    def forward(fn: Callable[..., Any], batch: Any) -> Any:
-        hooks = (
-            torch.autograd.graph.saved_tensors_hooks(resident.pack, resident.unpack)
-            if train else contextlib.nullcontext()
-        )
-        with hooks:
-            out = fn(call, batch)
-        if train:
-            resident.after_forward()
-        else:
-            resident.release_all()
-        return out
-
-    def backward(loss: Tensor, last: bool) -> None:
-        loss.backward()
-        assert grad_buckets is not None
-        grad_buckets.finish()
-        resident.after_backward()
-
+    state: ShardState, model: nn.Module, prefetch: int, *, train: bool
+) -> Iterator[_ShardedSession]:
+    session = _ShardedSession(state, model, prefetch, train)
     try:
-        yield _Session(forward, backward, info)
+        yield session
     finally:
-        resident.release_all()
-        if grad_buckets is not None:
-            grad_buckets.close()
-            info["grad_bytes_peak"] = grad_buckets.peak_bytes
-        learned = resident.learned
-        info["order"] = learned if learned.forward else state.bucket_order
-        info["gathered_bytes_peak"] = resident.peak_bytes
+        session.close()
 
 
-# --- after backward ---------------------------------------------------------------------------
+# --- the phases after backward ----------------------------------------------------------------
 
 
-def _squared_norm(grads: Sequence[Tensor], state: ShardState) -> Tensor:
-    """This rank's share of the global squared gradient norm (float64 scalar)."""
-    device = state.config.device
+def _header(state: ShardState, micro_batches: int, *, kind: int) -> Header:
+    fingerprint = int(state.layout.fingerprint, 16) >> 4  # 60 bits: fits an int64
+    return Header(fingerprint, state.stage, state.step, micro_batches, kind)
+
+
+def _exchange(state: ShardState, run: _Run, control: Comm) -> Any:
+    comm = state.config.comm
+    own = run.failure
+    loss_sum = float(torch.stack(run.losses).double().mean()) if run.losses and not own else 0.0
+    channels = [comm, *([comm.channel(_GATHER)] if state.stage == 3 else [])]
+    return exchange_statistics(
+        control,
+        squared_norm=_squared_norm(run.grads, state) if not (own or run.aborted) else 0.0,
+        loss_sum=loss_sum,
+        rows=run.rows,
+        failed=None if own is None else f"{type(own).__name__}: {own}",
+        nonfinite=not math.isfinite(loss_sum),
+        signatures=[c.signature for c in channels],
+        used=run.used,
+    )
+
+
+def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
+    """Raise on every rank, before any update, if the step cannot be applied."""
+    step = state.step + 1
+    if stats.failed:
+        if run.failure is not None:
+            raise run.failure
+        details = "; ".join(f"rank {r}: {stats.messages.get(r, '?')}" for r in stats.failed)
+        raise StepError(
+            f"train step {step} was applied on no rank because rank(s) {list(stats.failed)} "
+            f"raised ({details}); every rank's state is unchanged",
+            step=step, ranks=stats.failed,
+        )
+    if stats.mismatched:
+        raise StepError(
+            f"train step {step}: rank(s) {list(stats.mismatched)} issued a different sequence of "
+            f"collectives than rank 0, so gradients of different buckets may have been mixed; "
+            f"the step was applied on no rank (state unchanged). This is a bug in fzero or a "
+            f"collective issued on fzero's comm from rank-dependent code: please report it",
+            step=step, ranks=stats.mismatched,
+        )
+    world = state.config.comm.world_size
+    if len(set(stats.rows)) > 1:
+        raise StepError(
+            f"train step {step}: ranks were given batches of different sizes (rows per rank "
+            f"{list(stats.rows)}): give every rank the same number of rows, so that averaging "
+            f"gradients over the {world} ranks equals the global batch's mean",
+            step=step, ranks=[r for r, n in enumerate(stats.rows) if n != stats.rows[0]],
+        )
+
+
+def _squared_norm(grads: Sequence[Tensor], state: ShardState) -> float:
+    """This rank's share of the global squared gradient norm."""
     if not grads or (state.stage == 0 and state.rank != 0):  # stage 0: identical on all ranks
-        return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm(list(grads))
-    return torch.stack(norms).to(torch.float64).pow(2).sum()
+        return 0.0
+    master = state.config.master_dtype
+    norms = torch._foreach_norm([g if g.dtype == master else g.to(master) for g in grads])
+    return float(torch.stack(norms).to(torch.float64).pow(2).sum())
+
+
+def _unscale(grads: list[Tensor], state: ShardState) -> None:
+    master = state.config.master_dtype
+    for i, grad in enumerate(grads):
+        if grad.dtype != master:
+            grads[i] = grad.to(master)
+    if state.loss_scale is not None and state.loss_scale.scale != 1.0:
+        torch._foreach_mul_(grads, 1.0 / state.loss_scale.scale)
+
+
+def _clip(grads: list[Tensor], grad_norm: float, clip_norm: float | None) -> None:
+    if clip_norm is not None and grads:  # torch.nn.utils.clip_grad_norm_'s coefficient
+        coef = float(clip_coefficient(torch.tensor(grad_norm), clip_norm))
+        torch._foreach_mul_(grads, coef)
+
+
+def _used_globally(counts: Sequence[int] | None, mine: Sequence[bool]) -> list[bool]:
+    return [True] * len(mine) if counts is None else [c > 0 for c in counts]
+
+
+def _update(
+    state: ShardState,
+    grads: list[Tensor],
+    used: list[bool],
+    decay: Callable[[str, tuple[int, ...]], bool] | None,
+    lr: float | None,
+    plans: dict[tuple[str, int, int], Any],
+) -> tuple[int, ...] | None:
+    """The optimizer step on this rank's master shards; returns the new `param_steps`."""
+    key = (state.layout.fingerprint, state.stage, state.rank)
+    if key not in plans:
+        spans = entry_spans(state.layout, state.stage, state.rank)
+        plans[key] = (spans, decay_ranges(spans, len(state.trainable), decay))
+    spans, ranges = plans[key]
+    steps = list(state.param_steps) if state.param_steps is not None else [state.step] * len(used)
+    after = apply_update(
+        state.config.optimizer, grads,
+        {name: tuple(trainable_only(values)) for name, values in state.moments.items()},
+        trainable_only(state.master), spans=spans, decay=decay, ranges=ranges, steps=steps,
+        used=used, lr=lr,
+    )
+    return None if all(s == state.step + 1 for s in after) else tuple(after)
 
 
 def _publish(state: ShardState, streams: Streams | None) -> None:
@@ -443,53 +740,65 @@ def _publish(state: ShardState, streams: Streams | None) -> None:
             if separate:
                 params.copy_(master)
             continue
-        lo, hi = bucket.shard_range(state.rank)
-        shard = master.to(params.dtype) if separate else params[lo:hi].clone()
+        shard = master.to(params.dtype) if separate else shard_view(params, bucket,
+                                                                    state.rank).clone()
         pending.append(all_gather_bucket(comm, bucket, shard, out=params, streams=streams))
     for handle in pending:
         handle.wait()
 
 
-def _decay_ranges(
-    state: ShardState, decay: Callable[[str, tuple[int, ...]], bool]
-) -> list[list[tuple[int, int]]]:
-    """Per trainable bucket, the element ranges of the optimizer's tensor that get decay."""
-    ranges = []
-    for bucket in state.layout.buckets:
-        if not bucket.trainable:
-            continue
-        if state.stage == 0:
-            ranges.append([(e.offset, e.end) for e in bucket.entries if decay(e.name, e.shape)])
-        else:
-            ranges.append([
-                (seg.shard_start, seg.shard_end)
-                for seg in bucket.segments(state.rank)
-                if decay(seg.entry.name, seg.entry.shape)
-            ])
-    return ranges
+# --- small helpers ----------------------------------------------------------------------------
 
 
-# --- checks and small helpers -----------------------------------------------------------------
+def _bindings(
+    state: ShardState, leaves: Sequence[Sequence[Tensor]], buffers: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """Every parameter name, aliases included, to its leaf; and the buffers."""
+    named: dict[str, Tensor] = {}
+    for bucket, bucket_leaves in zip(state.layout.buckets, leaves, strict=True):
+        for entry, leaf in zip(bucket.entries, bucket_leaves, strict=True):
+            for name in entry.names:
+                named[name] = leaf
+    named.update(buffers)
+    return named
 
 
-def _check_state(state: Any, model: nn.Module) -> None:
-    if not isinstance(state, ShardState):
-        raise TypeError(f"expected a ShardState (from fzero.init), got {type(state).__name__}")
-    located = state.layout.locate()
-    named = dict(model.named_parameters(remove_duplicate=False))
-    missing = sorted(set(located) - set(named))
-    extra = sorted(set(named) - set(located))
-    wrong = sorted(
-        f"{name}: state {located[name][1].shape} vs model {tuple(t.shape)}"
-        for name, t in named.items()
-        if name in located and tuple(t.shape) != located[name][1].shape
-    )
-    if missing or extra or wrong:
-        raise ValueError(
-            f"the state (layout fingerprint {state.layout.fingerprint}) was built for a "
-            f"different model: parameters only in the state {missing[:5]}, only in the model "
-            f"{extra[:5]}, shapes differing {wrong[:5]}"
-        )
+def _broadcast_buffers(comm: Comm, buffers: Mapping[str, Tensor]) -> None:
+    """Rank 0's buffers onto every rank, as one broadcast of their bytes."""
+    if comm.world_size == 1 or not buffers:
+        return
+    tensors = [b for b in buffers.values() if b.numel()]
+    if not tensors:
+        return
+    parts = [b.detach().reshape(-1).contiguous().view(torch.uint8) for b in tensors]
+    flat = torch.cat(parts)  # (total bytes,)
+    comm.broadcast(flat, src=0)
+    offset = 0
+    with torch.no_grad():
+        for tensor, part in zip(tensors, parts, strict=True):
+            size = part.numel()
+            if tensor.is_contiguous():
+                tensor.view(-1).view(torch.uint8).copy_(flat[offset : offset + size])
+            else:
+                tensor.copy_(flat[offset : offset + size].clone().view(tensor.dtype)
+                             .view(tensor.shape))
+            offset += size
+
+
+def _counts(comm: Comm, before: dict[str, int] | None = None) -> dict[str, int]:
+    """Bytes sent per kind on the data channels (main and stage 3's gathers)."""
+    totals = dict(comm.counters.bytes_sent)
+    if _GATHER in getattr(comm, "_channels", {}):
+        for kind, value in comm.channel(_GATHER).counters.bytes_sent.items():
+            totals[kind] += value
+    if before is None:
+        return totals
+    return {kind: totals[kind] - before[kind] for kind in totals}
+
+
+def _unused_names(state: ShardState, used: Sequence[bool]) -> list[str]:
+    names = [e.name for b in state.layout.buckets if b.trainable for e in b.entries]
+    return [name for name, flag in zip(names, used, strict=True) if not flag]
 
 
 def _check_loss(loss: Any, state: ShardState) -> None:
@@ -518,35 +827,3 @@ def _resolve_lr(lr: float | Schedule | None, step: int) -> float | None:
     if lr is None:
         return None
     return float(lr(step)) if callable(lr) else float(lr)
-
-
-def _optimizer_lr(state: ShardState, step: int) -> float | None:
-    return _resolve_lr(state.config.optimizer.lr, step)
-
-
-def _named(buckets: Sequence[Bucket], leaves: Sequence[Sequence[Tensor]]) -> dict[str, Tensor]:
-    """Primary names to leaves (functional_call ties the aliases itself)."""
-    return {
-        entry.name: leaf
-        for bucket, bucket_leaves in zip(buckets, leaves, strict=True)
-        for entry, leaf in zip(bucket.entries, bucket_leaves, strict=True)
-    }
-
-
-def _views(flat: Tensor, bucket: Bucket) -> list[Tensor]:
-    return [_entry_view(flat, entry) for entry in bucket.entries]
-
-
-def _entry_view(flat: Tensor, entry: Entry) -> Tensor:
-    return flat[entry.offset : entry.end].view(entry.shape)
-
-
-def _registration_order(model: nn.Module, triggers: dict[nn.Module, list[int]]) -> BucketOrder:
-    """First-step guess: forward in module registration order, backward in reverse."""
-    rank = {id(m): i for i, (_, m) in enumerate(model.named_modules(remove_duplicate=False))}
-    forward: list[int] = []
-    for module in sorted(triggers, key=lambda m: rank[id(m)]):
-        for index in triggers[module]:
-            if not forward or forward[-1] != index:
-                forward.append(index)
-    return BucketOrder(tuple(forward), tuple(forward[::-1]))

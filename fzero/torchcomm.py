@@ -159,6 +159,20 @@ class TorchComm(CommBase):
             then()
         return None
 
+    def _open_channel(self, name: str, host: bool) -> TorchComm:
+        backend = "gloo" if host else self.backend
+        # Over the default group every process takes part in creating the channel (torch's
+        # group bookkeeping then stays in step on every rank); over a subgroup, its members.
+        group = dist.new_group(
+            ranks=self._global_ranks,
+            backend=backend,
+            timeout=self.timeout,
+            use_local_synchronization=self.group is not None,
+            group_desc=f"fzero:{name}",
+        )
+        transport = None if backend != self.backend else self.transport
+        return TorchComm(group, timeout=self.timeout, transport=transport)
+
     def _reduce(
         self, start: Callable[[Any, bool], Any], op: str, result: Tensor, async_op: bool
     ) -> Work | None:

@@ -37,11 +37,6 @@ def make_optimizer(spec: OptSpec) -> fzero.optim.Optimizer:
     return getattr(fzero.optim, name)(**kwargs)
 
 
-def decay_all(name: str, shape: tuple[int, ...]) -> bool:
-    """Weight decay on every parameter: torch.optim's single param group."""
-    return True
-
-
 # ----------------------------------------------------------------------------------------------
 # Extra models (stage-3 residency shapes that tests/models.py does not cover)
 
@@ -169,7 +164,7 @@ def train_body(
     accum: int = 1,
     clip: float | None = None,
     param_dtype: torch.dtype | None = None,
-    decay: Callable[[str, tuple[int, ...]], bool] | None = decay_all,
+    decay: Callable[[str, tuple[int, ...]], bool] | None = None,
     prefetch: int = 1,
     loss_fn: Callable[..., Tensor] | None = None,
     skeleton: nn.Module | None = None,
@@ -196,9 +191,8 @@ def train_body(
     if loss_scale is not None:
         assert state.loss_scale is not None
         state = _with_scale(state, loss_scale)
-    kwargs: dict[str, Any] = {"accum_steps": accum, "clip_norm": clip, "prefetch": prefetch}
-    if decay is not None:
-        kwargs["decay"] = decay
+    kwargs: dict[str, Any] = {"accum_steps": accum, "clip_norm": clip, "prefetch": prefetch,
+                              "decay": decay}
     runner = skeleton if skeleton is not None else model
     step = fzero.make_train_step(runner, loss_fn or type(model).loss_fn, **kwargs)
     losses, metrics = [], []
@@ -246,7 +240,7 @@ def overflow_body(
         param_dtype=torch.float16,
     )
     state = _with_scale(state, 2.0**10)
-    step = fzero.make_train_step(model, overflow_loss, decay=decay_all)
+    step = fzero.make_train_step(model, overflow_loss)
     records = []
     for i, batch in enumerate(batches):
         before = snapshot_state(state)
@@ -269,7 +263,7 @@ def eval_body(
 ) -> dict[str, Any]:
     """Train `steps` steps, then evaluate `probe` (the whole batch on every rank) twice."""
     state = fzero.init(model, stage=stage, optimizer=make_optimizer(("adamw", ADAMW)), comm=comm)
-    step = fzero.make_train_step(model, type(model).loss_fn, decay=decay_all)
+    step = fzero.make_train_step(model, type(model).loss_fn)
     evaluate = fzero.make_eval_step(model, type(model).loss_fn)
     first = evaluate(state, probe)
     train_losses = []
@@ -363,7 +357,7 @@ def raises_body(comm: Comm, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
     """Run `fn(comm, *args)`; return ``(type name, message)`` of what it raised, else None."""
     try:
         fn(comm, *args, **kwargs)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, fzero.StepError) as exc:
         return type(exc).__name__, str(exc)
     return None
 
@@ -440,7 +434,7 @@ def tree_map_body(
     import torch.utils._pytree as pytree
 
     state = fzero.init(model, stage=stage, optimizer=make_optimizer(("adamw", ADAMW)), comm=comm)
-    step = fzero.make_train_step(model, type(model).loss_fn, decay=decay_all)
+    step = fzero.make_train_step(model, type(model).loss_fn)
     local = [split_batch(b, comm.rank, comm.world_size) for b in batches]
     state, _ = step(state, local[0])
     copied = pytree.tree_map(lambda t: t.clone(), state)

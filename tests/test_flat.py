@@ -141,3 +141,52 @@ def test_params_on_several_devices_are_rejected():
     params = {"a": torch.zeros(2), "b": torch.zeros(2, device="meta")}
     with pytest.raises(ValueError, match="several devices"):
         fzero.flatten(params, fzero.plan(params, 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# The slicing helpers the train step runs on (one slicing truth with the laws above)
+
+
+def _sub(layout, index):
+    return fzero.ShardLayout((layout.buckets[index],), layout.world_size)
+
+
+@given(cases())
+def test_entry_views_and_alias_leaves_are_unflatten(case):
+    params, layout = case
+    for index, (flat, bucket) in enumerate(
+        zip(fzero.flatten(params, layout), layout.buckets, strict=True)
+    ):
+        want = fzero.unflatten([flat], _sub(layout, index))
+        views = fzero.flat.entry_views(flat, bucket)
+        leaves = fzero.flat.alias_leaves(flat, bucket)
+        for entry, view, leaf in zip(bucket.entries, views, leaves, strict=True):
+            assert bitwise_equal(view, want[entry.name]) and bitwise_equal(leaf, view)
+            assert leaf.is_leaf and leaf.requires_grad == bucket.trainable
+            assert leaf.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            if leaf.numel():
+                assert leaf.data_ptr() == view.data_ptr()
+
+
+@given(cases())
+def test_shard_view_is_shard(case):
+    params, layout = case
+    flats = fzero.flatten(params, layout)
+    for rank in range(min(layout.world_size, 8)):
+        shards = fzero.shard(params, layout, rank)
+        for flat, bucket, want in zip(flats, layout.buckets, shards, strict=True):
+            got = fzero.flat.shard_view(flat, bucket, rank)
+            assert bitwise_equal(got, want)
+            assert got.numel() == 0 or got.data_ptr() == flat.data_ptr() + rank * (
+                bucket.shard_numel * flat.element_size()
+            )
+
+
+def test_alias_leaves_write_through_to_the_flat_buffer():
+    params = {"a": torch.zeros(2, 3), "b": torch.zeros(5)}
+    layout = fzero.plan(params, 3)
+    (flat,) = fzero.flatten(params, layout)
+    leaves = fzero.flat.alias_leaves(flat, layout.buckets[0])
+    with torch.no_grad():
+        leaves[1].fill_(7.0)
+    assert flat[6:11].eq(7.0).all() and flat[:6].eq(0).all() and flat[11:].eq(0).all()

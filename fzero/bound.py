@@ -1,0 +1,111 @@
+"""Running the user's module on a state's tensors: `torch.func.functional_call`, held open for a
+whole forward *and* backward, and a check that the module still matches the state's layout.
+
+[Note: bound through backward]
+`functional_call(model, tensors, args)` substitutes the module's parameters for the duration of
+one call. Activation checkpointing (`torch.utils.checkpoint`, Hugging Face's
+``gradient_checkpointing_enable``) runs the forward again *during backward*, reading the
+module's attributes then: after a plain `functional_call` has returned they are the module's
+own (stale, or `meta`) tensors, and the gradients are silently wrong. So fzero runs a whole
+micro-batch, ``loss_fn`` and ``loss.backward()``, inside one `functional_call` of a small
+wrapper module whose only child is the user's model: the substitution lasts exactly as long as
+anything may read it, and the module is left as it was afterwards. Every name of a tied
+parameter is bound explicitly, so a tie the module lost (``model.to("meta")`` unties) does not
+matter; a tie the module gained, or a shape it changed, is an error (`check_structure`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from fzero.layout import ShardLayout
+
+__all__ = ["Binder", "check_structure"]
+
+T = TypeVar("T")
+
+
+class _Runner(nn.Module):
+    """A module whose forward runs a thunk: functional_call(runner, ...) binds its child."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, thunk: Callable[[], Any]) -> Any:
+        return thunk()
+
+
+class Binder:
+    """Runs code with `model`'s parameters and buffers bound to given tensors.
+
+    ``binder.run(tensors, fn)`` calls ``fn()`` while every name in `tensors` (parameters and
+    buffers of `model`, dotted names) reads the given tensor; the module is restored afterwards,
+    also when ``fn`` raises. Wrapping the model adds no reference to the model itself.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._runner = _Runner(model)
+
+    def run(self, tensors: Mapping[str, Tensor], fn: Callable[[], T]) -> T:
+        """``fn()`` with `tensors` bound (see the module note)."""
+        prefixed = {f"model.{name}": tensor for name, tensor in tensors.items()}
+        return functional_call(self._runner, prefixed, (fn,), tie_weights=False, strict=False)
+
+
+def check_structure(model: nn.Module, layout: ShardLayout) -> None:
+    """Raise if `model` no longer has the parameters, shapes and ties `layout` was planned for.
+
+    A tie in the layout that the module has lost is accepted when the module's tensors are on
+    ``meta`` (``model.to("meta")`` after `fzero.init`, to drop the module's memory: fzero binds
+    every name itself); on materialized tensors it means the module was re-tied or re-assigned
+    after the state was built, and is an error.
+
+    Raises:
+        ValueError: naming the parameters only in the state or only in the model, the shapes
+            that differ, and the ties that differ.
+    """
+    located = layout.locate()
+    named = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted(set(located) - set(named))
+    extra = sorted(set(named) - set(located))
+    wrong = sorted(
+        f"{name}: state {located[name][1].shape} vs model {tuple(t.shape)}"
+        for name, t in named.items()
+        if name in located and tuple(t.shape) != located[name][1].shape
+    )
+    if missing or extra or wrong:
+        raise ValueError(
+            f"the state (layout fingerprint {layout.fingerprint}) was built for a different "
+            f"model: parameters only in the state {missing[:5]}, only in the model {extra[:5]}, "
+            f"shapes differing {wrong[:5]}"
+        )
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in named.items():
+        by_tensor.setdefault(id(tensor), []).append(name)
+    for names in by_tensor.values():
+        owners = {located[name][1].name for name in names}
+        if len(owners) > 1:
+            raise ValueError(
+                f"the module ties {names} (one tensor), but the state stores them as separate "
+                f"parameters {sorted(owners)}: it was built before the tie; build it again with "
+                f"fzero.init from the tied module"
+            )
+    for index, bucket in enumerate(layout.buckets):
+        for entry in bucket.entries:
+            if not entry.aliases:
+                continue
+            tensors = [named[name] for name in entry.names]
+            if len({id(t) for t in tensors}) > 1 and not all(t.is_meta for t in tensors):
+                raise ValueError(
+                    f"the state ties {list(entry.names)} (one parameter, bucket {index} "
+                    f"{bucket.label!r}), but the module now holds separate tensors for them: "
+                    f"the tie was broken after fzero.init. Re-tie them (e.g. Hugging Face's "
+                    f"model.tie_weights()), or move the module to 'meta' if you only need it "
+                    f"as a function (fzero binds every tied name to the state's one tensor)"
+                )

@@ -1,0 +1,198 @@
+"""What the ranks of a train step agree on, and the error every rank raises when they do not.
+
+[Note: agreement points]
+A step exchanges two small messages on the control channel, so that every rank takes the same
+decision from the same data:
+
+- Before any bucket moves, the step `header`: layout fingerprint, stage, step number, number of
+  micro-batches, kind of step. A rank resumed from another checkpoint, given another number of
+  micro-batches or another model makes every rank raise here, state untouched.
+- After backward and before any update, the `statistics`: this rank's share of the squared
+  gradient norm, its loss sum and rows, whether its own computation failed, whether it saw a
+  non-finite value, whether it used every parameter, and the signature of the collective
+  sequence it issued on each channel. Every rank then knows which ranks failed (all raise
+  `StepError`; the failing rank re-raises its own exception), whether the collective sequences
+  matched (else all raise: nothing is applied), and which parameters no rank used (the
+  optimizer leaves them alone, as torch does for a parameter whose ``grad`` is None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from fzero.comm import Comm
+
+__all__ = ["Header", "StepError", "Statistics", "agree_header", "exchange_statistics"]
+
+_MESSAGE_BYTES = 400  # a failing rank's error text, truncated, shown on every rank
+_HALF = 2**31
+
+
+class StepError(RuntimeError):
+    """A train step was applied on no rank; every rank's state is unchanged.
+
+    Attributes:
+        step: the step number (1-based) that failed.
+        ranks: the ranks that caused it (failed, or disagreed with rank 0).
+    """
+
+    def __init__(self, message: str, *, step: int, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.ranks = tuple(ranks)
+
+
+class Header(NamedTuple):
+    """What every rank must agree on before a step moves any bucket."""
+
+    fingerprint: int  # layout fingerprint as an int
+    stage: int
+    step: int  # the state's step (optimizer steps applied)
+    micro_batches: int
+    kind: int  # 0: train step, 1: eval step
+
+
+def agree_header(
+    control: Comm, header: Header, *, what: str, own: BaseException | None = None
+) -> None:
+    """All-gather every rank's `header` and raise on every rank if any field differs.
+
+    Args:
+        control: the control channel.
+        header: this rank's header (``micro_batches == 0`` when `own` is set).
+        what: the step's name, for messages.
+        own: the exception this rank hit before it could start (a check that failed here
+            only): it is re-raised here after every rank learned of it.
+
+    Raises:
+        StepError: naming the field, each value and the ranks holding it; or the ranks that
+            could not start. `own` itself on the rank that hit it.
+    """
+    n = control.world_size
+    if own is not None:
+        header = header._replace(micro_batches=0)
+    mine = torch.tensor(list(header), dtype=torch.int64)
+    every = torch.empty(n * len(header), dtype=torch.int64)
+    control.all_gather(every, mine)
+    rows = every.view(n, len(header)).tolist()
+    if own is not None:
+        raise own
+    unable = [r for r, row in enumerate(rows) if row[3] == 0]
+    if unable:
+        raise StepError(
+            f"{what}: rank(s) {unable} could not start it (their own error says why: a consumed "
+            f"state, another model, or a batch that does not split); nothing was communicated "
+            f"or changed",
+            step=header.step + 1,
+            ranks=unable,
+        )
+    for field_index, field in enumerate(Header._fields):
+        values = [row[field_index] for row in rows]
+        if len(set(values)) > 1:
+            by_value: dict[int, list[int]] = {}
+            for rank, value in enumerate(values):
+                by_value.setdefault(value, []).append(rank)
+            shown = "; ".join(f"{_show(field, v)} on ranks {r}" for v, r in by_value.items())
+            odd = [r for r, v in enumerate(values) if v != values[0]]
+            raise StepError(
+                f"{what}: ranks disagree on the {field.replace('_', ' ')} before it started "
+                f"({shown}); nothing was communicated or changed. "
+                + _HEADER_HINTS.get(field, ""),
+                step=header.step + 1,
+                ranks=odd,
+            )
+
+
+_HEADER_HINTS = {
+    "fingerprint": "Every rank must build its state from the same model and bucket policy.",
+    "stage": "Every rank must use the same stage.",
+    "step": "Every rank must resume from the same checkpoint and call the step as often.",
+    "micro_batches": "Every rank must split its batch into the same number of micro-batches.",
+    "kind": "Every rank must call the same kind of step (train or eval) at the same time.",
+}
+
+
+def _show(field: str, value: int) -> str:
+    return f"{value:#x}" if field == "fingerprint" else str(value)
+
+
+class Statistics(NamedTuple):
+    """The step's statistics, the same on every rank."""
+
+    squared_norm: float  # sum over ranks of their shares
+    loss_sum: float  # sum over ranks of their mean micro-batch losses
+    rows: tuple[int, ...]  # per rank
+    failed: tuple[int, ...]  # ranks whose own computation raised
+    messages: dict[int, str]  # their error texts (truncated)
+    nonfinite: tuple[int, ...]  # ranks that saw a non-finite loss or gradient
+    mismatched: tuple[int, ...]  # ranks whose collective sequence differs from rank 0's
+    used: tuple[int, ...] | None  # per trainable entry, ranks that used it; None: all, all
+
+
+def exchange_statistics(
+    control: Comm,
+    *,
+    squared_norm: float,
+    loss_sum: float,
+    rows: int,
+    failed: str | None,
+    nonfinite: bool,
+    signatures: Sequence[int],
+    used: Sequence[bool],
+) -> Statistics:
+    """All-gather every rank's statistics (a collective on the control channel).
+
+    Args:
+        control: the control channel.
+        squared_norm: this rank's share of the global squared gradient norm.
+        loss_sum: the sum of this rank's micro-batch losses divided by their number.
+        rows: rows of this rank's batch.
+        failed: this rank's error text if its computation raised, else None.
+        nonfinite: whether this rank saw a non-finite loss or gradient.
+        signatures: the running signature of each channel this step used, in a fixed order.
+        used: per trainable entry, whether this rank's backward reached it.
+
+    Returns:
+        The same `Statistics` on every rank.
+    """
+    n = control.world_size
+    all_used = all(used)
+    vector = [squared_norm, loss_sum, float(rows), float(failed is not None), float(nonfinite),
+              float(all_used)]
+    for signature in signatures:
+        vector += [float(signature // _HALF), float(signature % _HALF)]
+    mine = torch.tensor(vector, dtype=torch.float64)
+    every = torch.empty(n * len(vector), dtype=torch.float64)
+    control.all_gather(every, mine)
+    table = every.view(n, len(vector)).tolist()
+
+    failed_ranks = tuple(r for r in range(n) if table[r][3])
+    messages: dict[int, str] = {}
+    if failed_ranks:  # a second exchange, only when some rank failed: its error text
+        text = (failed or "").encode("utf-8", "replace")[:_MESSAGE_BYTES]
+        buffer = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+        buffer[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        texts = torch.empty(n * _MESSAGE_BYTES, dtype=torch.uint8)
+        control.all_gather(texts, buffer)
+        for r in failed_ranks:
+            raw = bytes(texts[r * _MESSAGE_BYTES : (r + 1) * _MESSAGE_BYTES].tolist())
+            messages[r] = raw.rstrip(b"\0").decode("utf-8", "replace")
+    counts: tuple[int, ...] | None = None
+    if not all(row[5] for row in table):  # some rank left a parameter unused: who used what
+        flags = torch.tensor([float(u) for u in used], dtype=torch.float64)
+        control.all_reduce(flags, op="sum")
+        counts = tuple(int(c) for c in flags.tolist())
+    reference = table[0][6:]
+    return Statistics(
+        squared_norm=sum(row[0] for row in table),
+        loss_sum=sum(row[1] for row in table),
+        rows=tuple(int(row[2]) for row in table),
+        failed=failed_ranks,
+        messages=messages,
+        nonfinite=tuple(r for r in range(n) if table[r][4]),
+        mismatched=tuple(r for r in range(n) if table[r][6:] != reference),
+        used=counts,
+    )

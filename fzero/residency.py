@@ -1,0 +1,462 @@
+"""Stage 3's full parameters during one step: gathered just in time along the agreed sequence,
+released when no longer needed, gathered again for backward and for recomputation.
+
+[Note: residency]
+Each bucket's full flat buffer keeps its tensor, and the parameter leaves aliasing it, for the
+whole step; releasing a bucket resizes its storage to zero bytes, gathering it resizes it back.
+
+Which buckets are gathered, and when, follows `fzero.schedule` (see its note): along the
+sequence every rank agreed on at the previous phase, one collective per position, each rank
+taking part in every position whether it needs that bucket or not; rounds on the control
+channel when a rank needs a bucket the rest of the sequence does not hold. What a rank keeps is
+its own business (releasing needs no collective):
+
+- Forward: a module's pre-hook marks the buckets of its own parameters active and `need`s them.
+  Before gathering, every resident bucket that is not active, not the one needed, not pinned and
+  not among the `prefetch` positions already issued ahead is released; afterwards the positions
+  up to `prefetch` ahead are issued. At most ``1 + prefetch`` buckets are gathered at once,
+  plus those of enclosing modules still running (which own parameters themselves).
+- Backward: parameters saved for backward are packed as references (`pack`) and `unpack`
+  gathers their bucket again, releasing nothing (one autograd node may unpack parameters of
+  two buckets). Between nodes, when a bucket's gradient is complete (`on_grads_complete`),
+  every bucket except the one backward works on, the positions ahead and pinned ones is
+  released.
+- Recomputation (activation checkpointing) runs module forwards during backward: their
+  pre-hooks gather and *pin* the buckets, because non-reentrant checkpointing keeps the
+  recomputed tensors without packing them. A pin ends when the bucket's gradient is complete,
+  or, for a frozen bucket, when the gradients of the module's inputs are (a multi-grad hook:
+  the module's backward is over).
+
+A rank that needs a parameter of a released bucket outside any module that owns it (a parent
+reading a child's weight) gets `OutsideOwnerError`, naming the module, the candidates and the
+`buckets=` remedy, instead of torch's "data is not allocated".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from fzero.collect import Pending, Streams, all_gather_bucket
+from fzero.comm import Comm
+from fzero.flat import alias_leaves
+from fzero.layout import ShardLayout
+from fzero.schedule import (
+    ABORTED,
+    DONE,
+    FAILED,
+    HEADER_WIDTH,
+    RUNNING,
+    BucketOrder,
+    agreed,
+    failed_ranks,
+    header,
+    merge,
+    next_position,
+    phase_over,
+    serve,
+)
+
+__all__ = ["OutsideOwnerError", "PeerFailed", "PhaseEnd", "Residency", "trigger_modules"]
+
+
+class PeerFailed(RuntimeError):
+    """Raised into a rank's computation when a round shows that another rank failed."""
+
+
+class OutsideOwnerError(RuntimeError):
+    """A parameter of a released bucket was read outside the modules that own it."""
+
+
+class PhaseEnd(NamedTuple):
+    """What every rank learned at the end of a phase (the same on every rank)."""
+
+    sequence: tuple[int, ...]  # the agreed sequence of bucket uses
+    failed: tuple[int, ...]  # ranks whose own computation failed
+    aborted: bool  # some rank failed or stopped: the step must not be applied
+
+
+class _Saved(NamedTuple):
+    bucket: int
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+def trigger_modules(model: nn.Module, layout: ShardLayout) -> dict[nn.Module, list[int]]:
+    """For each module that directly owns parameters (aliases included), the buckets they are
+    stored in: the buckets its forward needs."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    triggers: dict[nn.Module, list[int]] = {}
+    for index, bucket in enumerate(layout.buckets):
+        for name in bucket.names:
+            module = modules[name.rsplit(".", 1)[0] if "." in name else ""]
+            needs = triggers.setdefault(module, [])
+            if index not in needs:
+                needs.append(index)
+    return triggers
+
+
+class Residency:
+    """Stage 3's full parameters for one step (see the module note).
+
+    Args:
+        data: the channel the parameter all-gathers run on.
+        control: the (host) channel rounds run on.
+        layout: the layout.
+        shards: this rank's parameter shard per bucket.
+        streams: CUDA side streams, or None.
+        order: the agreed sequences of the previous step (or a first guess).
+        prefetch: positions gathered ahead of use.
+    """
+
+    def __init__(
+        self,
+        *,
+        data: Comm,
+        control: Comm,
+        layout: ShardLayout,
+        shards: Sequence[Tensor],
+        streams: Streams | None,
+        order: BucketOrder,
+        prefetch: int,
+    ) -> None:
+        self.data = data
+        self.control = control
+        self.layout = layout
+        self.shards = shards
+        self.streams = streams
+        self.order = order
+        self.prefetch = prefetch
+        self.full: list[Tensor] = []
+        self.leaves: list[list[Tensor]] = []
+        for bucket, shard in zip(layout.buckets, shards, strict=True):
+            flat = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=shard.device)
+            self.leaves.append(alias_leaves(flat, bucket))  # while the storage is allocated
+            flat.untyped_storage().resize_(0)
+            self.full.append(flat)
+        self.nbytes = [f.numel() * f.element_size() for f in self.full]
+        self.frozen = {i for i, b in enumerate(layout.buckets) if not b.trainable}
+        self.allocated: set[int] = set()
+        self.resident: set[int] = set()
+        self.fresh: set[int] = set()  # gathered by a position, not used since
+        self.inflight: dict[int, list[Pending]] = {}
+        self.by_pointer: dict[int, int] = {}
+        self.active = [0] * len(layout.buckets)
+        self.pinned = [0] * len(layout.buckets)
+        self.stack: list[nn.Module] = []
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.phase = "forward"
+        self.sequence: tuple[int, ...] = ()
+        self.issued = 0
+        self.cursor = -1
+        self.rounds = True  # no phase begun: nothing may be gathered
+        self.used: list[int] = []
+        self.current: int | None = None
+        self.failed: set[int] = set()
+        self.aborted = False
+
+    # -- phases --
+
+    def begin(self, phase: str) -> None:
+        """Start a ``"forward"`` or ``"backward"`` phase: gather along the agreed sequence,
+        issuing the first `prefetch` positions now."""
+        assert phase in ("forward", "backward"), phase
+        self.phase = phase
+        self.sequence = self.order.forward if phase == "forward" else self.order.backward
+        self.issued = 0  # positions of the sequence issued so far
+        self.cursor = -1  # position of the latest use
+        self.rounds = False  # left the sequence: every miss is a round
+        self.used: list[int] = []
+        self.current: int | None = None
+        self.failed: set[int] = set()
+        self.aborted = False
+        self._issue_until(self.prefetch - 1)
+
+    def end_phase(self, status: int = DONE) -> PhaseEnd:
+        """Finish the phase on this rank (`DONE`, `FAILED` or `ABORTED`): take part in the rest
+        of the sequence and in rounds until every rank is done, agree on the sequence used
+        (it becomes the phase's sequence in `order`), and release everything."""
+        self._leave_sequence()
+        while True:
+            headers = self._round(status, None)
+            if phase_over(headers):
+                break
+        sequence = tuple(self.used) if agreed(headers) else self._merge_sequences()
+        result = PhaseEnd(sequence, tuple(sorted(self.failed)), self.aborted)
+        self.release_all()
+        self.active = [0] * len(self.active)
+        self.pinned = [0] * len(self.pinned)
+        self.stack.clear()
+        self.order = (
+            BucketOrder(sequence, self.order.backward) if self.phase == "forward"
+            else BucketOrder(self.order.forward, sequence)
+        )
+        return result
+
+    def _merge_sequences(self) -> tuple[int, ...]:
+        """Ranks used different sequences: every rank gathers all of them and merges alike."""
+        n = self.control.world_size
+        mine = torch.tensor([len(self.used)], dtype=torch.int64)
+        lengths = torch.empty(n, dtype=torch.int64)
+        self.control.all_gather(lengths, mine)
+        width = max(int(lengths.max()), 1)
+        padded = torch.full((width,), -1, dtype=torch.int64)
+        padded[: len(self.used)] = torch.tensor(self.used, dtype=torch.int64)
+        every = torch.empty(n * width, dtype=torch.int64)
+        self.control.all_gather(every, padded)
+        rows = every.view(n, width).tolist()
+        sizes = lengths.tolist()
+        return merge([row[: int(size)] for row, size in zip(rows, sizes, strict=True)])
+
+    # -- gathering --
+
+    def _allocate(self, index: int) -> None:
+        if index in self.allocated:
+            return
+        storage = self.full[index].untyped_storage()
+        storage.resize_(self.nbytes[index])
+        self.by_pointer[storage.data_ptr()] = index
+        self.allocated.add(index)
+        self.live_bytes += self.nbytes[index]
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _gather(self, index: int) -> None:
+        """Issue one all-gather of bucket `index` (a position or a served bucket)."""
+        self._allocate(index)
+        self.inflight.setdefault(index, []).append(all_gather_bucket(
+            self.data, self.layout.buckets[index], self.shards[index], out=self.full[index],
+            streams=self.streams,
+        ))
+        self.fresh.add(index)
+
+    def _issue_until(self, position: int) -> None:
+        """Issue every position of the sequence up to `position` (inclusive) not yet issued."""
+        last = min(position, len(self.sequence) - 1)
+        while self.issued <= last:
+            self._gather(self.sequence[self.issued])
+            self.issued += 1
+
+    def _wait(self, index: int) -> None:
+        for pending in self.inflight.pop(index, []):
+            pending.wait()
+        self.resident.add(index)
+
+    def release(self, index: int) -> None:
+        """Free bucket `index`'s full parameters (waiting first for its gathers in flight)."""
+        for pending in self.inflight.pop(index, []):
+            pending.wait()
+        self.resident.discard(index)
+        self.fresh.discard(index)
+        if index in self.allocated:
+            storage = self.full[index].untyped_storage()
+            self.by_pointer.pop(storage.data_ptr(), None)
+            storage.resize_(0)
+            self.allocated.discard(index)
+            self.live_bytes -= self.nbytes[index]
+
+    def release_all(self) -> None:
+        """Free every gathered or in-flight bucket."""
+        for index in sorted(self.allocated | set(self.inflight)):
+            self.release(index)
+
+    def _ahead(self) -> set[int]:
+        """Buckets of positions issued ahead of the latest use (prefetched)."""
+        return set(self.sequence[self.cursor + 1 : self.issued]) if not self.rounds else set()
+
+    def _evict(self, keep: set[int]) -> None:
+        for index in sorted(self.allocated):
+            if index not in keep and not self.active[index] and not self.pinned[index]:
+                self.release(index)
+
+    def _pass(self, position: int) -> None:
+        """Take part in the positions before `position` that are not issued yet, releasing
+        each bucket this rank does not hold for a use right away (one bucket at a time)."""
+        while self.issued < position:
+            index = self.sequence[self.issued]
+            self._gather(index)
+            self.issued += 1
+            if index != self.current and not self.active[index] and not self.pinned[index]:
+                self.release(index)
+
+    def _leave_sequence(self) -> None:
+        if not self.rounds:
+            self._pass(len(self.sequence))
+            self.rounds = True
+
+    def _round(self, status: int, need: int | None) -> list[list[int]]:
+        """One round on the control channel; every rank then gathers the served buckets."""
+        n = self.control.world_size
+        mine = torch.tensor(header(status, need, self.used), dtype=torch.int64)
+        every = torch.empty(n * HEADER_WIDTH, dtype=torch.int64)
+        self.control.all_gather(every, mine)
+        headers = every.view(n, HEADER_WIDTH).tolist()
+        self.failed.update(failed_ranks(headers))
+        if any(row[0] in (FAILED, ABORTED) for row in headers):
+            self.aborted = True
+        for index in serve(headers):
+            self._gather(index)
+        return headers
+
+    # -- uses --
+
+    def need(self, index: int, *, evict: bool, pin: bool = False) -> None:
+        """Make bucket `index` resident for a use by this rank's computation."""
+        if pin:
+            self.pinned[index] += 1
+        self.current = index
+        if index in self.fresh:  # a position's gather (prefetched or in flight): consume it
+            self.fresh.discard(index)
+            self._record(index)
+            position = next_position(self.sequence, index, self.cursor + 1)
+            if position is not None and position < self.issued and not self.rounds:
+                self.cursor = position
+        elif index not in self.resident and index not in self.inflight:  # a miss
+            self._record(index)
+            position = None if self.rounds else next_position(self.sequence, index, self.issued)
+            if position is None:  # off the sequence: take part in its rest, then ask
+                self._leave_sequence()
+                if evict:
+                    self._evict({index})
+                self._round(RUNNING, index)
+                self.fresh.discard(index)
+                if self.aborted:
+                    self._wait(index)
+                    raise PeerFailed(
+                        f"rank(s) {sorted(self.failed) or '?'} failed during this step's "
+                        f"{self.phase}; this rank stops computing it"
+                    )
+            else:  # later in the sequence: take part in the positions before it
+                self.cursor = position
+                if evict:
+                    self._evict({index, *self._ahead()})
+                self._pass(position)
+                self._issue_until(position)
+                self.fresh.discard(index)
+        if not self.rounds:
+            if evict:
+                self._evict({index, *self._ahead()})
+            self._issue_until(self.cursor + self.prefetch)
+        self._wait(index)
+
+    def _record(self, index: int) -> None:
+        if not self.used or self.used[-1] != index:
+            self.used.append(index)
+
+    # -- forward: module hooks --
+
+    @contextlib.contextmanager
+    def module_hooks(self, triggers: dict[nn.Module, list[int]]) -> Iterator[None]:
+        """Gather the buckets of each module's own parameters before its forward (in forward
+        and in recomputation during backward); hooks run before the module's own, and the
+        post-hooks even when the forward raises."""
+
+        def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+            self.stack.append(module)
+            needs = triggers[module]
+            recompute = self.phase == "backward"
+            for index in needs:
+                self.active[index] += 1
+            for index in needs:
+                self.need(index, evict=not recompute, pin=recompute)
+            frozen = [i for i in needs if i in self.frozen]
+            if frozen and torch.is_grad_enabled():
+                self._unpin_after_backward(frozen, args, kwargs)
+
+        def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if self.stack and self.stack[-1] is module:
+                self.stack.pop()
+            for index in triggers[module]:
+                self.active[index] = max(0, self.active[index] - 1)
+
+        handles = []
+        try:
+            for module in triggers:
+                handles.append(module.register_forward_pre_hook(pre, prepend=True,
+                                                                with_kwargs=True))
+                handles.append(module.register_forward_hook(post, with_kwargs=True,
+                                                            always_call=True))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _unpin_after_backward(self, buckets: list[int], args: Any, kwargs: Any) -> None:
+        inputs = [
+            x for x in (*args, *kwargs.values())
+            if isinstance(x, Tensor) and x.requires_grad
+        ]
+        if not inputs:
+            return
+
+        def done(_: Any) -> None:
+            for index in buckets:
+                self.pinned[index] = 0
+            if self.phase == "backward":
+                self._evict({*([self.current] if self.current is not None else []),
+                             *self._ahead()})
+
+        torch.autograd.graph.register_multi_grad_hook(inputs, done, mode="all")
+
+    # -- backward: saved tensors and completed gradients --
+
+    def pack(self, tensor: Tensor) -> Any:
+        """Saved-tensor pack hook: parameters of a bucket are saved as a reference."""
+        index = self.by_pointer.get(tensor.untyped_storage().data_ptr())
+        if index is None or tensor.device != self.full[index].device:
+            return tensor
+        return _Saved(index, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+    def unpack(self, saved: Any) -> Tensor:
+        """Saved-tensor unpack hook: gather the bucket again if it was released."""
+        if not isinstance(saved, _Saved):
+            return saved
+        self.need(saved.bucket, evict=False)
+        flat = self.full[saved.bucket]
+        out = torch.empty(0, dtype=flat.dtype, device=flat.device)
+        return out.set_(flat.untyped_storage(), saved.offset, saved.shape, saved.stride)
+
+    def on_grads_complete(self, index: int) -> None:
+        """Between autograd nodes: a bucket's gradient is complete; unpin it and release all
+        but the bucket backward works on, the positions ahead and pinned buckets."""
+        self.pinned[index] = 0
+        if self.phase == "backward":
+            keep = self._ahead()
+            if self.current is not None and self.current != index:
+                keep.add(self.current)
+            self._evict(keep)
+
+    # -- errors --
+
+    def explain(self, error: RuntimeError, model: nn.Module) -> RuntimeError:
+        """`error`, or an `OutsideOwnerError` when it is torch's complaint about reading a
+        released bucket's parameter."""
+        if "not allocated" not in str(error):
+            return error
+        reader = self.stack[-1] if self.stack else model
+        paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+        prefix = paths.get(id(reader), "")
+        candidates = [
+            entry.name
+            for index, bucket in enumerate(self.layout.buckets)
+            if index not in self.allocated
+            for entry in bucket.entries
+            for name in entry.names
+            if name.startswith(f"{prefix}.") or not prefix
+        ]
+        where = f"module {prefix!r} ({type(reader).__name__})" if prefix else (
+            f"the root module ({type(reader).__name__}) or code outside any module")
+        return OutsideOwnerError(
+            f"stage 3: {where} read a parameter that no running module owns, so its bucket was "
+            f"not gathered; it is one of {candidates[:8]}{' ...' if len(candidates) > 8 else ''}. "
+            f"fzero gathers a bucket right before the forward of each module that owns one of "
+            f"its parameters. Read the parameter inside its own module's forward, or pass "
+            f"buckets= to fzero.init so that it shares a bucket with parameters the reading "
+            f"module owns (a list of lists of names, or a module class whose instances own it)."
+        )
+
