@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import explicit_step
 import pytest
 import torch
+from train_gpt import GPT, GPTConfig, loss_fn
 
 import fzero
 
-import explicit_step
 from models import FrozenMix
-from train_gpt import GPT, GPTConfig, loss_fn
 
 STEPS = 3
 GLOBAL_BATCH = 8
