@@ -25,8 +25,9 @@ def test_notebook_is_stored_without_outputs(path: Path):
     nbformat.validate(book)
     for index, cell in enumerate(book.cells):
         if cell.cell_type == "code":
-            assert cell.outputs == [], f"{path.name} cell {index} has stored outputs"
-            assert cell.execution_count is None, f"{path.name} cell {index} has a count"
+            fix = "clear all outputs before committing (Jupyter: Edit > Clear Outputs of All Cells)"
+            assert cell.outputs == [], f"{path.name} cell {index} has stored outputs: {fix}"
+            assert cell.execution_count is None, f"{path.name} cell {index} has a count: {fix}"
 
 
 @pytest.mark.slow
