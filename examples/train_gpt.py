@@ -274,6 +274,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="train with plain torch.optim.AdamW in one process (the parity baseline)",
     )
+    ap.add_argument("--metrics-json", default=None, help="rank 0 writes every rank's losses here")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.accum_steps < 1 or args.batch_size < 1:
         ap.error("--steps, --batch-size and --accum-steps must be >= 1")
@@ -435,6 +436,19 @@ def run(args: argparse.Namespace, comm) -> None:
         prompt = "def "
         text = generate(call, prompt, args.sample_bytes, args.seq_len, 0.8, args.seed)
         print(f"\nsample (temperature 0.8):\n{text}")
+
+    if args.metrics_json:  # for tests and scripts: each rank's losses, as that rank saw them
+        import json
+
+        mine = {"rank": rank, "losses": losses, "val_loss": val_loss}
+        every = [None] * world
+        if world > 1:
+            dist.all_gather_object(every, mine)
+        else:
+            every = [mine]
+        if master:
+            with open(args.metrics_json, "w") as f:
+                json.dump(every, f)
 
 
 def reference_trainer(model: nn.Module, args: argparse.Namespace, schedule, clip_norm):

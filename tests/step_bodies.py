@@ -455,10 +455,10 @@ def tree_map_body(
 
 
 def padding_bytes(layout: ShardLayout, stage: int, moment_bytes: int = 8) -> float:
-    """Bytes the padding adds to a rank's state, per DESIGN's table (what each stage keeps full
-    and what it keeps as shards). fp32 AdamW keeps params (which double as the master copy),
-    grads and two 4-byte moments; mixed precision adds a separate fp32 master. A full storage
-    holds a bucket's whole padding, a shard 1/N of it."""
+    """Bytes the padding adds to a rank's state, per docs/design.md's table (what each stage
+    keeps full and what it keeps as shards). fp32 AdamW keeps params (which double as the master
+    copy), grads and two 4-byte moments; mixed precision adds a separate fp32 master. A full
+    storage holds a bucket's whole padding, a shard 1/N of it."""
     n = layout.world_size
     total = 0.0
     for bucket in layout.buckets:

@@ -27,15 +27,15 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import fzero
+import fzero.testing as testing
 from fzero.collect import Streams, collectives
 from fzero.comm import ring_bytes
 from fzero.layout import ShardLayout
 from fzero.simworld import SimWorld, SimWorldError
+from fzero.testing import TreeSpec, bitwise_equal
 
 import collect_bodies as cb
-import strategies
 from dist_pool import WorkerError
-from strategies import TreeSpec, bitwise_equal
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float64)
 # The bodies only read their inputs: ranks may share them (copy_args=False) instead of taking
@@ -44,7 +44,6 @@ SHARE = False
 # Each example of the SimWorld properties runs 1-8 rank threads (~0.2 ms per collective per
 # rank): they take 3/5 of the profile's examples, keeping the file under a minute in `ci`.
 SIM_SETTINGS = settings(max_examples=max(1, settings().max_examples * 3 // 5))
-_PREFIXES = st.sampled_from(["", "h.0.", "h.1.", "h.2.attn.", "emb.", "0.", "1.x."])
 
 
 def exact(actual: Tensor, expected: Tensor) -> None:
@@ -58,50 +57,16 @@ def exact(actual: Tensor, expected: Tensor) -> None:
 # Drawn inputs and local references
 
 
-@st.composite
-def float_trees(draw: st.DrawFn, max_size: int = 6) -> TreeSpec:
+def float_trees(max_size: int = 6) -> st.SearchStrategy[TreeSpec]:
     """A small parameter set of float32 / bfloat16 / float64 tensors (one dtype or mixed),
     trainable and frozen, with tied aliases; shapes include 0-d and empty tensors."""
-    count = draw(st.integers(1, max_size))
-    mixed = draw(st.booleans())
-    base = draw(st.sampled_from(FLOATS))
-    names: list[str] = []
-    shapes: list[tuple[int, ...]] = []
-    dtypes: list[torch.dtype] = []
-    trainable: list[bool] = []
-    tied: list[int | None] = []
-    for i in range(count):
-        names.append(f"{draw(_PREFIXES)}p{i}")
-        if i > 0 and draw(st.integers(0, 4)) == 0:  # ~20% tied to an earlier entry
-            j = draw(st.integers(0, i - 1))
-            while tied[j] is not None:
-                j = tied[j]
-            shapes.append(shapes[j])
-            dtypes.append(dtypes[j])
-            trainable.append(trainable[j])
-            tied.append(j)
-            continue
-        shapes.append(draw(strategies.shapes))
-        dtypes.append(draw(st.sampled_from(FLOATS)) if mixed else base)
-        trainable.append(draw(st.booleans()))
-        tied.append(None)
-    seed = draw(st.integers(0, 2**31 - 1))
-    return TreeSpec(tuple(names), tuple(shapes), tuple(dtypes), tuple(trainable), tuple(tied), seed)
+    return testing.trees(max_size=max_size, allow_large=False, dtypes=FLOATS, mixed_dtypes=None,
+                         tie_every=5)
 
 
 def normal_params(spec: TreeSpec) -> dict[str, Tensor]:
     """`spec`'s parameters with finite N(0, 1) values (for arithmetic), aliases tied."""
-    gen = torch.Generator().manual_seed(spec.seed)
-    params: dict[str, Tensor] = {}
-    for name, shape, dtype, train, tie in zip(
-        spec.names, spec.shapes, spec.dtypes, spec.trainable, spec.tied_to, strict=True
-    ):
-        if tie is not None:
-            params[name] = params[spec.names[tie]]
-        else:
-            value = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
-            params[name] = value.requires_grad_(train)
-    return params
+    return spec.build("normal")
 
 
 def random_grads(
@@ -227,7 +192,7 @@ def gather_scatter_cases(draw: st.DrawFn) -> dict[str, Any]:
     n = draw(st.integers(1, 8))
     spec = draw(float_trees())
     params = spec.build()  # random bit patterns: NaNs, infinities and -0.0 must move bitwise
-    layout = fzero.plan(params, n, buckets=draw(strategies.policies(spec)))
+    layout = fzero.plan(params, n, buckets=draw(testing.policies(spec)))
     k = len(layout.buckets)
     reduce_dtype = draw(st.sampled_from([None, torch.float32]))
     return {
@@ -354,7 +319,7 @@ def grad_cases(draw: st.DrawFn) -> dict[str, Any]:
     n = draw(st.integers(1, 8))
     spec = draw(float_trees())
     params = normal_params(spec)
-    layout = fzero.plan(params, n, buckets=draw(strategies.policies(spec)))
+    layout = fzero.plan(params, n, buckets=draw(testing.policies(spec)))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     weights_by_rank = []
     for _ in range(n):  # each rank's loss uses a random subset of the names (aliases too)

@@ -8,15 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fzero
-
-from strategies import bitwise_equal, policies, trees, worlds_and_trees
-
-
-@st.composite
-def cases(draw):
-    world, spec = draw(worlds_and_trees())
-    params = spec.build()
-    return params, fzero.plan(params, world, buckets=draw(policies(spec)))
+from fzero.testing import bitwise_equal, layouts, trees
 
 
 def _all_equal(got: dict, want: dict) -> None:
@@ -25,20 +17,20 @@ def _all_equal(got: dict, want: dict) -> None:
         assert bitwise_equal(got[name], tensor), name
 
 
-@given(cases())
+@given(layouts())
 def test_shard_unshard_round_trip_is_bitwise(case):
     params, layout = case
     shards = [fzero.shard(params, layout, r) for r in range(layout.world_size)]
     _all_equal(fzero.unshard(shards, layout), params)
 
 
-@given(cases())
+@given(layouts())
 def test_flatten_unflatten_round_trip_is_bitwise(case):
     params, layout = case
     _all_equal(fzero.unflatten(fzero.flatten(params, layout), layout), params)
 
 
-@given(cases())
+@given(layouts())
 def test_shards_concatenate_to_the_zero_padded_flat_buffer(case):
     params, layout = case
     flats = fzero.flatten(params, layout)
@@ -57,7 +49,7 @@ def test_shards_concatenate_to_the_zero_padded_flat_buffer(case):
             assert bitwise_equal(torch.cat([shards[r][index] for r in ranks]), flat)
 
 
-@given(cases())
+@given(layouts())
 def test_unflatten_returns_views_and_aliases_share_them(case):
     params, layout = case
     flats = fzero.flatten(params, layout)

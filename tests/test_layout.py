@@ -12,8 +12,7 @@ from torch import nn
 
 import fzero
 from fzero.layout import ShardLayout
-
-from strategies import TreeSpec, policies, trees, world_sizes, worlds_and_trees
+from fzero.testing import TreeSpec, policies, trees, world_sizes, worlds_and_trees
 
 
 class Block(nn.Module):

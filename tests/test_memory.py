@@ -81,8 +81,8 @@ def test_last_digit_unit() -> None:
     assert _last_digit_unit("2218.75") == pytest.approx(0.01)
 
 
-def test_design_md_example() -> None:
-    # DESIGN.md: Ψ = 7.5B, N = 64 -> 120 / 31.4 / 16.6 / 1.88 GB.
+def test_paper_table_1_example() -> None:
+    # docs/design.md ("The stages"): Ψ = 7.5B, N = 64 -> 120 / 31.4 / 16.6 / 1.88 GB.
     row = memory.estimate_table(7.5e9, [64])[0]
     assert row == memory.EstimateRow(64, 120e9, 31.40625e9, 16.640625e9, 1.875e9)
 

@@ -1,8 +1,9 @@
 """Tests of fzero.state: the ShardState value, `init`, `state_bytes` and `LossScale`.
 
 Cheapest first: pure (LossScale), then `init` on SimWorld ranks (no training step). What a
-state holds per stage is the module docstring's table; its measured bytes are DESIGN's stage table
-plus the padding, which the tests derive from the layout themselves (`step_bodies.padding_bytes`).
+state holds per stage is the module docstring's table; its measured bytes are the stage table of
+docs/design.md plus the padding, which the tests derive from the layout themselves
+(`step_bodies.padding_bytes`).
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ def test_state_bytes_are_table_plus_padding(name: str, dtype: torch.dtype | None
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_state_bytes_theory_is_the_table(world: int) -> None:
-    """MLP (all trainable): DESIGN's formulas by hand, K = 12 mixed precision, 8 in fp32."""
+    """MLP (all trainable): docs/design.md's formulas by hand, K = 12 mixed precision, 8 in fp32."""
     psi = sum(p.numel() for p in MLP().parameters())
     mixed = {0: 16 * psi, 1: 4 * psi + 12 * psi / world, 2: 2 * psi + 14 * psi / world,
              3: 16 * psi / world}

@@ -1,7 +1,7 @@
 """Tests of fzero.step (make_train_step, make_eval_step, full_params) on SimWorld and gloo ranks.
 
-Every stage must train like single-process torch.optim on the global batch (DESIGN.md: "every
-stage, every world size ... <= 1e-5 relative in fp32"), measure the stage table's bytes, move the
+Every stage must train like single-process torch.optim on the global batch (docs/design.md,
+"Numbers we hold ourselves to": <= 1e-5 relative in fp32), measure the stage table's bytes, move the
 stage's communication volume, and leave the user's module untouched. Per-rank bodies live in
 tests/step_bodies.py; references are computed here with `models.reference_train`.
 """
@@ -29,7 +29,7 @@ STAGES = (0, 1, 2, 3)
 WORLD_SIZES = (1, 2, 3, 4)
 GLOBAL_BATCH = 12  # divisible by every world size 1..4
 PARITY_STEPS = 20
-RTOL, ATOL = 1e-5, 1e-6  # DESIGN: <= 1e-5 relative in fp32
+RTOL, ATOL = 1e-5, 1e-6  # docs/design.md: <= 1e-5 relative in fp32
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -405,7 +405,7 @@ def test_state_bytes_metric_is_table_plus_padding(name: str, dtype: torch.dtype 
 def expected_comm(
     layout: ShardLayout, stage: int, accum: int, itemsize: int
 ) -> dict[str, int]:
-    """Ring bytes per step by kind: DESIGN's comm column on the padded bucket sizes."""
+    """Ring bytes per step by kind: docs/design.md's comm column on the padded bucket sizes."""
     n = layout.world_size
     each = sum(ring_bytes("all_gather", b.padded_numel, itemsize, n)
                for b in layout.buckets if b.trainable)

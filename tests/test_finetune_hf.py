@@ -1,0 +1,124 @@
+"""examples/finetune_hf.py end to end: GPT-2 / GPT-NeoX fine-tuned with fzero on 2 ranks, part
+of the model frozen, data split by DistributedSampler, exported for `from_pretrained`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import finetune_hf as ft
+import pytest
+import torch
+from tokenizers import ByteLevelBPETokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+import fzero
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = str(ROOT / "fzero")  # a small local folder of text: no download, fast to read
+TINY = ["--steps", "4", "--seq-len", "16", "--d-model", "32", "--n-head", "2",
+        "--batch-size", "4", "--lr", "3e-3", "--data", DATA]
+
+
+def initial(args) -> dict[str, torch.Tensor]:
+    model, _ = ft.build_model(args)  # seeded: the weights every run starts from
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_stage3_partly_frozen_and_export(tmp_path: Path) -> None:
+    out, metrics = tmp_path / "tuned", tmp_path / "metrics.json"
+    argv = [*TINY, "--stage", "3", "--train", "transformer.h.*.attn.*"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "examples" / "finetune_hf.py"), *argv, "--out", str(out),
+         "--metrics-json", str(metrics)],
+        env=env, check=True, timeout=300, capture_output=True,
+    )
+    summary = json.loads(metrics.read_text())
+    assert summary["world_size"] == 2 and len(summary["losses"]) == 4
+    assert summary["trainable"] and all(".attn." in n for n in summary["trainable"])
+
+    # The same global batches in one process (DistributedSampler's shuffle does not depend on
+    # the world size): the same losses, up to float32 summation order.
+    args = ft.parse_args(argv)
+    alone = fzero.SimWorld(1).run(ft.train, args)[0]
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(alone["losses"]),
+                               rtol=1e-5, atol=0)
+
+    # The export loads with from_pretrained: frozen weights as they started, attention trained.
+    start = initial(args)
+    loaded = dict(AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+                  .named_parameters())
+    assert set(loaded) == set(start)
+    for name, value in start.items():
+        same = torch.equal(loaded[name], value)
+        assert same == (name not in summary["trainable"]), name
+
+
+def neox_dir(path: Path, tokenizer: bool) -> str:
+    """A saved tiny GPT-NeoX, with a byte-level BPE tokenizer of 256 tokens if `tokenizer`."""
+    config = GPTNeoXConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, intermediate_size=64,
+                           max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
+                           bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(config).save_pretrained(path)
+    if tokenizer:
+        bpe = ByteLevelBPETokenizer()
+        bpe.train_from_iterator(["def return"], vocab_size=256, show_progress=False)
+        PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(("stage", "tokenizer"), [(1, False), (3, True)])
+def test_local_model_directory_on_gloo(
+    gloo_pool: Any, tmp_path: Path, stage: int, tokenizer: bool
+) -> None:
+    out = tmp_path / "tuned"
+    args = ft.parse_args([*TINY, "--model", neox_dir(tmp_path / "neox", tokenizer),
+                          "--stage", str(stage), "--train", "gpt_neox.layers.*",
+                          "--out", str(out)])
+    results = gloo_pool(2).run(ft.train, args)
+    assert results[0]["losses"] == results[1]["losses"]
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
+    assert not any("embed" in n for n in results[0]["trainable"])
+    assert (out / "tokenizer.json").exists() == tokenizer
+    assert (out / "config.json").exists()
+
+
+def checkpointing_runs(gloo_pool: Any, config: str) -> tuple[list[float], list[float]]:
+    argv = [*TINY, "--config", config, "--stage", "3", "--train", "*.attn.*",
+            "--train", "*.attention.*"]
+    plain = gloo_pool(2).run(ft.train, ft.parse_args(argv))[0]["losses"]
+    recomputed = gloo_pool(2).run(ft.train, ft.parse_args([*argv, "--gradient-checkpointing"]))
+    return plain, recomputed[0]["losses"]
+
+
+def test_gradient_checkpointing_flag_runs(gloo_pool: Any) -> None:
+    plain, recomputed = checkpointing_runs(gloo_pool, "gpt2")
+    assert len(recomputed) == 4 and all(torch.isfinite(torch.tensor(recomputed)))
+    assert recomputed[0] == plain[0]  # the first forward is the same computation
+
+
+# TODO(lead, issue 8): recomputation in backward runs on the module's own (stale) weights, so
+# checkpointed training departs from plain training after the first update. When activation
+# checkpointing is exact in the core, this xfail turns into an unexpected pass (strict): remove
+# the mark so the parity is asserted.
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="activation checkpointing is not exact yet (issue 8)")
+@pytest.mark.parametrize("config", ["gpt2", "gpt-neox"])
+def test_gradient_checkpointing_parity(gloo_pool: Any, config: str) -> None:
+    plain, recomputed = checkpointing_runs(gloo_pool, config)
+    torch.testing.assert_close(torch.tensor(recomputed), torch.tensor(plain), rtol=1e-6, atol=0)
