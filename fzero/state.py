@@ -13,7 +13,7 @@ Per bucket b of the layout, with ``s_b`` its shard numel and ``P_b`` its padded 
 moment exist for trainable buckets only (None elsewhere). When the compute dtype is the master
 dtype, ``master[b]`` is a view of ``params[b]`` (the parameters are the master copy: no second
 copy); otherwise it is an fp32 copy. Memory is counted per storage, so views count once
-(`state_bytes`), which is what the DESIGN stage table predicts.
+(`state_bytes`), which is what the stage table of docs/design.md predicts.
 """
 
 from __future__ import annotations
@@ -357,7 +357,7 @@ def state_bytes(state: ShardState) -> int:
 
 
 def state_bytes_theory(state: ShardState) -> float:
-    """The DESIGN stage table's bytes for this state's model, world size, stage and dtypes.
+    """The bytes docs/design.md's stage table gives this state's model, N, stage and dtypes.
 
     Trainable parameters follow the table with ``K = master bytes (when a separate master
     copy exists) + moment bytes``; frozen parameters hold only their compute-dtype values

@@ -143,7 +143,7 @@ def _sub(layout, index):
     return fzero.ShardLayout((layout.buckets[index],), layout.world_size)
 
 
-@given(cases())
+@given(layouts())
 def test_entry_views_and_alias_leaves_are_unflatten(case):
     params, layout = case
     for index, (flat, bucket) in enumerate(
@@ -160,7 +160,7 @@ def test_entry_views_and_alias_leaves_are_unflatten(case):
                 assert leaf.data_ptr() == view.data_ptr()
 
 
-@given(cases())
+@given(layouts())
 def test_shard_view_is_shard(case):
     params, layout = case
     flats = fzero.flatten(params, layout)
