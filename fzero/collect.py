@@ -221,7 +221,9 @@ def collectives(
     ) -> dict[str, Tensor]:
         """Full parameters of `buckets` (default all): views into fresh flat buffers.
 
-        Every bucket's all-gather is issued before the first is waited on.
+        Every bucket's all-gather is issued before the first is waited on. Backward
+        reduce-scatters the gradient of every shard that requires grad (mark the same shards
+        on every rank, e.g. the trainable buckets'); frozen shards cost no communication.
         """
         indices = _bucket_indices(layout, buckets, len(shards))
         for index in indices:
@@ -286,8 +288,8 @@ class _GatherBuckets(torch.autograd.Function):
         pending = []
         for index, flat in zip(info.indices, flat_grads, strict=True):
             bucket = info.layout.buckets[index]
-            if not bucket.torch_dtype.is_floating_point:  # integer buckets have no gradient
-                continue
+            if not ctx.needs_input_grad[1 + index] or not bucket.torch_dtype.is_floating_point:
+                continue  # a shard that does not require grad (frozen) gets none, unsent
             if flat is None:  # every rank takes part: a missing gradient is a zero gradient
                 flat = torch.zeros(bucket.padded_numel, dtype=bucket.torch_dtype)
             pending.append((index, reduce_scatter_bucket(

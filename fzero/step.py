@@ -693,9 +693,11 @@ def _unscale(grads: list[Tensor], state: ShardState) -> None:
 
 
 def _clip(grads: list[Tensor], grad_norm: float, clip_norm: float | None) -> None:
-    if clip_norm is not None and grads:  # torch.nn.utils.clip_grad_norm_'s coefficient
-        coef = float(clip_coefficient(torch.tensor(grad_norm), clip_norm))
-        torch._foreach_mul_(grads, coef)
+    """Scale by torch.nn.utils.clip_grad_norm_'s coefficient, computed in the gradients'
+    dtype as torch does (a float32 coefficient would differ from float64 torch by ~1e-11)."""
+    if clip_norm is not None and grads:
+        norm = torch.tensor(grad_norm, dtype=grads[0].dtype)
+        torch._foreach_mul_(grads, clip_coefficient(norm, clip_norm))
 
 
 def _used_globally(counts: Sequence[int] | None, mine: Sequence[bool]) -> list[bool]:

@@ -225,7 +225,7 @@ def construct_body(comm: Comm, layouts: Sequence[ShardLayout]) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Known bugs (see the xfail tests)
+# Integer (frozen) buckets: no gradient, no communication
 
 
 def integer_bucket_body(comm: Comm, layout: ShardLayout, params: Params) -> dict[str, Any]:

@@ -112,12 +112,6 @@ def test_gradient_checkpointing_flag_runs(gloo_pool: Any) -> None:
     assert recomputed[0] == plain[0]  # the first forward is the same computation
 
 
-# TODO(lead, issue 8): recomputation in backward runs on the module's own (stale) weights, so
-# checkpointed training departs from plain training after the first update. When activation
-# checkpointing is exact in the core, this xfail turns into an unexpected pass (strict): remove
-# the mark so the parity is asserted.
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="activation checkpointing is not exact yet (issue 8)")
 @pytest.mark.parametrize("config", ["gpt2", "gpt-neox"])
 def test_gradient_checkpointing_parity(gloo_pool: Any, config: str) -> None:
     plain, recomputed = checkpointing_runs(gloo_pool, config)

@@ -80,13 +80,8 @@ def test_check_step_parity_with_frozen_parameters() -> None:
     assert max(errors.values()) < 1e-12
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="make_train_step computes the clip coefficient from torch.tensor(grad_norm), a "
-    "float32 tensor, where torch.nn.utils.clip_grad_norm_ uses the gradients' dtype: float64 "
-    "runs differ from torch by ~3e-11 (fzero/step.py, the lead's fix flips this to a pass)",
-)
 def test_check_step_parity_with_clipping_in_float64() -> None:
+    """The clip coefficient is computed in the gradients' dtype, as torch does."""
     batches = [FrozenMix.make_batch(seed, 6) for seed in range(3)]
     check_step_parity(FrozenMix(), mse, batches, stages=(0,), world_sizes=(1,), clip_norm=0.05)
 
