@@ -6,7 +6,7 @@ Pure core: `plan` (layout), `flatten` / `unflatten` / `shard` / `unshard` (flat 
 """
 
 from fzero import memory, optim
-from fzero.collect import Collectives, Pending, Streams, collectives
+from fzero.collect import Collectives, EmulatedStreams, Pending, Streams, collectives
 from fzero.comm import Comm, CommCounters, Work
 from fzero.consensus import StepError
 from fzero.flat import bucket_shards, flatten, shard, unflatten, unshard
@@ -25,6 +25,7 @@ from fzero.step import (
 from fzero.torchcomm import TorchComm
 
 __all__ = [
+    "EmulatedStreams",
     "MicroBatches",
     "OutsideOwnerError",
     "StepError",

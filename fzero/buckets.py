@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from fzero.collect import Pending, Streams, reduce_scatter_bucket
+from fzero.collect import Pending, SideStreams, launch, reduce_scatter_bucket
 from fzero.comm import Comm
 from fzero.layout import ShardLayout
 
@@ -101,20 +101,6 @@ class Completion:
             handle.remove()
 
 
-class _Reduced(NamedTuple):
-    """An in-place all-reduce in flight; `wait()` returns its tensor."""
-
-    tensor: Tensor
-    work: Any
-
-    def wait(self) -> Tensor:
-        self.work.wait()
-        return self.tensor
-
-    def is_completed(self) -> bool:
-        return bool(self.work.is_completed())
-
-
 class Reducer:
     """Reduces every trainable bucket's gradient once per round, in a fixed order.
 
@@ -153,7 +139,7 @@ class Reducer:
         *,
         mode: str,
         reduce_dtype: torch.dtype | None = None,
-        streams: Streams | None = None,
+        streams: SideStreams | None = None,
         patience: float | None = None,
     ) -> None:
         assert mode in ("all_reduce", "scatter_full", "scatter_leaves"), mode
@@ -236,8 +222,9 @@ class Reducer:
             self.pending.append((index, reduce_scatter_bucket(
                 self.comm, bucket, grad, streams=self.streams)))
         else:
-            self.pending.append((index, _Reduced(grad, self.comm.all_reduce(
-                grad, op="avg", async_op=True))))
+            self.pending.append((index, launch(
+                self.streams, "reduce", grad, (grad,),
+                lambda g=grad: self.comm.all_reduce(g, op="avg", async_op=True))))
 
     def _settle_previous(self) -> None:
         """Wait for the reductions in flight (see the note), within `patience` if set."""
@@ -263,5 +250,5 @@ class Reducer:
             self.results[index] = value
 
 
-def _done(pending: Pending | _Reduced) -> bool:
+def _done(pending: Pending) -> bool:
     return pending.is_completed()

@@ -17,13 +17,23 @@ them while the side stream may still read or write; and it records an event. `Pe
 makes the *current* stream wait on that event: the compute stream blocks only at the point of
 use. On CPU the same code path uses the comm's async work handles (gloo runs its collectives on
 its own threads), and `wait()` blocks the calling thread.
+
+`EmulatedStreams` runs that ordering logic on the CPU: each side stream is a thread that issues
+its collectives in order after a random delay and completes them before its next one; an event
+is a thread event. A missing `wait()` then reads a buffer the "stream" has not filled yet, and a
+parity test shows it as a wrong number, as PyTorch's FSDP tests inject delays before all-gathers
+on GPUs. Every place fzero issues a collective goes through `launch` on whichever streams
+object it is given (`make_train_step(..., streams=...)`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -34,7 +44,9 @@ from fzero.layout import Bucket, ShardLayout
 
 __all__ = [
     "Collectives",
+    "EmulatedStreams",
     "Pending",
+    "SideStreams",
     "Streams",
     "all_gather_bucket",
     "collectives",
@@ -42,8 +54,23 @@ __all__ = [
 ]
 
 
+ROLES = ("all_gather", "reduce")
+"""The side streams: all-gathers of parameters, and reductions of gradients."""
+
+
+class SideStreams(Protocol):
+    """Where collectives run: `launch` issues one on the side stream of a role and returns its
+    `Pending`; `before` marks a point of the step (e.g. ``"optimizer"``) a test may delay."""
+
+    def launch(
+        self, role: str, output: Tensor, inputs: Sequence[Tensor], issue: Callable[[], Work | None]
+    ) -> Pending: ...
+
+    def before(self, point: str) -> None: ...
+
+
 class Streams:
-    """The side streams collectives run on: one for all-gathers, one for reduce-scatters.
+    """CUDA side streams: one for all-gathers, one for reductions (see the module note).
 
     `Streams.for_device(device)` returns None off CUDA, where the comm's async handles are the
     only concurrency.
@@ -59,6 +86,93 @@ class Streams:
         """Side streams on a CUDA device; None for any other device."""
         device = torch.device(device)
         return cls(device) if device.type == "cuda" else None
+
+    def launch(
+        self, role: str, output: Tensor, inputs: Sequence[Tensor], issue: Callable[[], Work | None]
+    ) -> Pending:
+        """Issue a collective on the role's stream once the current stream's work is done."""
+        stream = self.all_gather if role == "all_gather" else self.reduce_scatter
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        for tensor in (*inputs, output):
+            tensor.record_stream(stream)
+        event = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            work = issue()
+            event.record(stream)
+        return Pending(output, work, event)
+
+    def before(self, point: str) -> None:
+        """Nothing to do on a real device."""
+
+
+class EmulatedStreams:
+    """Side streams emulated by CPU threads with random delays (see the module note).
+
+    Args:
+        seed: seeds the delays (give each rank its own).
+        max_delay: the largest delay, in seconds, before each collective and each `before`.
+
+    Use as a context manager, or call `close` (the threads stop).
+    """
+
+    def __init__(self, *, seed: int = 0, max_delay: float = 2e-3) -> None:
+        if not max_delay >= 0:
+            raise ValueError(f"max_delay must be >= 0 seconds, got {max_delay=}")
+        self.max_delay = max_delay
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._threads = {
+            role: ThreadPoolExecutor(1, thread_name_prefix=f"fzero-emulated-{role}")
+            for role in ROLES
+        }
+
+    def __enter__(self) -> EmulatedStreams:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _delay(self) -> float:
+        with self._lock:
+            return self._rng.uniform(0.0, self.max_delay)
+
+    def launch(
+        self, role: str, output: Tensor, inputs: Sequence[Tensor], issue: Callable[[], Work | None]
+    ) -> Pending:
+        """Issue the collective on the role's thread after a random delay; complete it there."""
+        delay = self._delay()
+
+        def run() -> None:
+            time.sleep(delay)
+            work = issue()
+            if work is not None:
+                work.wait()
+
+        return Pending(output, _FutureWork(self._threads[role].submit(run)), None)
+
+    def before(self, point: str) -> None:
+        """Sleep a random delay at a point of the step (e.g. before the optimizer runs)."""
+        time.sleep(self._delay())
+
+    def close(self) -> None:
+        """Finish what was launched and stop the threads."""
+        for pool in self._threads.values():
+            pool.shutdown(wait=True)
+
+
+class _FutureWork:
+    """A `Work` over a future: `wait()` re-raises what the job raised."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future[None]) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
 
 
 class Pending:
@@ -91,19 +205,17 @@ class Pending:
         return self._work is None or bool(self._work.is_completed())
 
 
-@contextlib.contextmanager
-def _on_side_stream(stream: Any | None, *tensors: Tensor) -> Iterator[Any | None]:
-    """Run the body on `stream` after the current stream's pending work; yield its end event."""
-    if stream is None:
-        yield None
-        return
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    for tensor in tensors:
-        tensor.record_stream(stream)
-    event = torch.cuda.Event()
-    with torch.cuda.stream(stream):
-        yield event
-        event.record(stream)
+def launch(
+    streams: SideStreams | None,
+    role: str,
+    output: Tensor,
+    inputs: Sequence[Tensor],
+    issue: Callable[[], Work | None],
+) -> Pending:
+    """Issue a collective on `streams` (or directly, with the comm's async handle)."""
+    if streams is None:
+        return Pending(output, issue(), None)
+    return streams.launch(role, output, inputs, issue)
 
 
 def all_gather_bucket(
@@ -112,7 +224,7 @@ def all_gather_bucket(
     shard: Tensor,
     *,
     out: Tensor | None = None,
-    streams: Streams | None = None,
+    streams: SideStreams | None = None,
 ) -> Pending:
     """Start the all-gather of one bucket: every rank's shard into the padded flat buffer.
 
@@ -121,17 +233,15 @@ def all_gather_bucket(
         bucket: the bucket (gives the sizes).
         shard: this rank's ``(shard_numel,)`` shard.
         out: the ``(padded_numel,)`` buffer to fill; allocated when None.
-        streams: side streams (CUDA) or None.
+        streams: side streams (CUDA, emulated) or None.
 
     Returns:
         A `Pending` whose `wait()` returns the flat buffer: ``out[r*s:(r+1)*s] == shard_r``.
     """
     if out is None:
         out = shard.new_empty(bucket.padded_numel)
-    stream = streams.all_gather if streams is not None else None
-    with _on_side_stream(stream, shard, out) as event:
-        work = comm.all_gather(out, shard, async_op=True)
-    return Pending(out, work, event)
+    return launch(streams, "all_gather", out, (shard,),
+                  lambda: comm.all_gather(out, shard, async_op=True))
 
 
 def reduce_scatter_bucket(
@@ -141,7 +251,7 @@ def reduce_scatter_bucket(
     *,
     out: Tensor | None = None,
     op: str = "avg",
-    streams: Streams | None = None,
+    streams: SideStreams | None = None,
 ) -> Pending:
     """Start the reduce-scatter of one bucket's flat gradient into this rank's shard.
 
@@ -151,17 +261,15 @@ def reduce_scatter_bucket(
         flat: this rank's ``(padded_numel,)`` gradient, padding zero.
         out: the ``(shard_numel,)`` output; allocated (flat's dtype) when None.
         op: ``"avg"`` (data-parallel mean) or ``"sum"``.
-        streams: side streams (CUDA) or None.
+        streams: side streams (CUDA, emulated) or None.
 
     Returns:
         A `Pending` whose `wait()` returns ``op over ranks q of flat_q[r*s:(r+1)*s]``.
     """
     if out is None:
         out = flat.new_empty(bucket.shard_numel)
-    stream = streams.reduce_scatter if streams is not None else None
-    with _on_side_stream(stream, flat, out) as event:
-        work = comm.reduce_scatter(out, flat, op=op, async_op=True)
-    return Pending(out, work, event)
+    return launch(streams, "reduce", out, (flat,),
+                  lambda: comm.reduce_scatter(out, flat, op=op, async_op=True))
 
 
 class Collectives(NamedTuple):
@@ -179,7 +287,7 @@ def collectives(
     layout: ShardLayout,
     comm: Comm,
     *,
-    streams: Streams | None = None,
+    streams: SideStreams | None = None,
     reduce_dtype: torch.dtype | None = None,
 ) -> Collectives:
     """Bind `gather` / `scatter_grads` to a layout and a communicator.
@@ -264,7 +372,7 @@ def collectives(
 class _Context(NamedTuple):
     layout: ShardLayout
     comm: Comm
-    streams: Streams | None
+    streams: SideStreams | None
     indices: tuple[int, ...]
 
 

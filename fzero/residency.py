@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from fzero.collect import Pending, Streams, all_gather_bucket
+from fzero.collect import Pending, SideStreams, all_gather_bucket
 from fzero.comm import Comm
 from fzero.flat import alias_leaves
 from fzero.layout import ShardLayout
@@ -121,7 +121,7 @@ class Residency:
         control: Comm,
         layout: ShardLayout,
         shards: Sequence[Tensor],
-        streams: Streams | None,
+        streams: SideStreams | None,
         order: BucketOrder,
         prefetch: int,
     ) -> None:

@@ -244,6 +244,7 @@ class SimComm(CommBase):
         self._world = world
         self._name = channel or _MAIN
         self._seq = 0
+        self._issue = threading.Lock()  # collectives may be issued from side-stream threads
         self._executor = ThreadPoolExecutor(
             1, thread_name_prefix=f"simworld-rank{rank}-{self._name}"
         )
@@ -253,8 +254,10 @@ class SimComm(CommBase):
         return SimComm(self._world, self.rank, name)  # no collective needed in one process
 
     def _submit(self, call: _Call, async_op: bool) -> Work | None:
-        seq, self._seq = self._seq, self._seq + 1
-        future = self._executor.submit(self._world.collective, self.rank, self._name, seq, call)
+        with self._issue:
+            seq, self._seq = self._seq, self._seq + 1
+            future = self._executor.submit(
+                self._world.collective, self.rank, self._name, seq, call)
         if async_op:
             future.add_done_callback(self._note_failure)
             return _SimWork(future)

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from fzero.bound import Binder, check_structure
 from fzero.buckets import Completion, Reducer
-from fzero.collect import Streams, all_gather_bucket
+from fzero.collect import SideStreams, Streams, all_gather_bucket
 from fzero.comm import Comm
 from fzero.consensus import Header, StepError, agree_header, exchange_statistics
 from fzero.flat import alias_leaves, entry_views, shard_view, unflatten
@@ -103,6 +103,7 @@ def make_train_step(
     prefetch: int = 1,
     decay: Callable[[str, tuple[int, ...]], bool] | None = None,
     buffers: str = "broadcast",
+    streams: SideStreams | None = None,
 ) -> Callable[[ShardState, Any], tuple[ShardState, dict[str, Any]]]:
     """Build ``step(state, batch) -> (state, metrics)`` for `model` (see the module docstring).
 
@@ -121,6 +122,8 @@ def make_train_step(
         buffers: ``"broadcast"`` (default, as DDP's ``broadcast_buffers=True``): rank 0's
             buffers (e.g. BatchNorm running statistics) are copied to every rank before each
             micro-batch's forward; ``"local"``: each rank keeps its own.
+        streams: where collectives run; default CUDA side streams on a CUDA device, the comm's
+            async handles elsewhere; `fzero.collect.EmulatedStreams` to test the ordering on CPU.
 
     Returns:
         The step function. ``metrics`` holds ``loss`` (mean over ranks and micro-batches),
@@ -170,7 +173,8 @@ def make_train_step(
         before = _counts(comm)
         control_before = control.counters.total()
         buffers_now = {name: b.clone() for name, b in state.buffers.items()}
-        run = _run(state, model, binder, loss_fn, micro_batches, buffers_now, prefetch,
+        side = streams if streams is not None else Streams.for_device(state.config.device)
+        run = _run(state, model, binder, loss_fn, micro_batches, buffers_now, prefetch, side,
                    sync_buffers=buffers == "broadcast")
         grads = run.grads
         if run.failure is None and not run.aborted:
@@ -185,6 +189,8 @@ def make_train_step(
         param_steps = state.param_steps
         used = _used_globally(stats.used, run.used)
         if finite:
+            if side is not None:
+                side.before("optimizer")
             _clip(grads, grad_norm, clip_norm)
             param_steps = _update(state, grads, used, decay, step_lr, plans)
             _publish(state, run.streams)
@@ -255,7 +261,8 @@ def make_eval_step(
         control = state.config.comm.channel(_CONTROL, host=True)
         agree_header(control, _header(state, 0 if problem else 1, kind=1), what="eval step",
                      own=problem)
-        with torch.no_grad(), _sharded(state, model, prefetch, train=False) as session:
+        streams = Streams.for_device(state.config.device)
+        with torch.no_grad(), _sharded(state, model, prefetch, streams, train=False) as session:
             return binder.run(_bindings(state, session.leaves, buffers),
                               lambda: session.evaluate(fn, model, batch))
 
@@ -351,7 +358,7 @@ class _Run:
     failure: BaseException | None  # this rank's own exception, if its computation raised
     aborted: bool  # some rank failed (known to every rank at stage 3)
     order: BucketOrder | None  # stage 3: the agreed sequences
-    streams: Streams | None
+    streams: SideStreams | None
     gathered_peak: int
     grad_peak: int
 
@@ -364,14 +371,15 @@ def _run(
     micro_batches: Sequence[Any],
     buffers: dict[str, Tensor],
     prefetch: int,
+    streams: SideStreams | None,
     *,
     sync_buffers: bool,
-) -> _Run:  # noqa: PLR0913
+) -> _Run:
     """Forward and backward of every micro-batch, with the stage's gradient reductions."""
     scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
     factor = scale / len(micro_batches)
-    session_of = _sharded(state, model, prefetch, train=True) if state.stage == 3 else (
-        _replicated(state))
+    session_of = (_sharded(state, model, prefetch, streams, train=True) if state.stage == 3
+                  else _replicated(state, streams))
     losses: list[Tensor] = []
     failure: BaseException | None = None
     with session_of as session:
@@ -414,10 +422,10 @@ def _run(
 class _ReplicatedSession:
     """Stages 0-2: full parameters, one leaf per parameter over the flat buffers."""
 
-    def __init__(self, state: ShardState) -> None:
+    def __init__(self, state: ShardState, streams: SideStreams | None) -> None:
         layout, stage = state.layout, state.stage
         self.state = state
-        self.streams = Streams.for_device(state.config.device)
+        self.streams = streams
         self.leaves = [alias_leaves(flat, bucket)
                        for flat, bucket in zip(state.params, layout.buckets, strict=True)]
         if stage < 2:  # gradients accumulate in place in the full buffers
@@ -481,8 +489,10 @@ class _ReplicatedSession:
 
 
 @contextlib.contextmanager
-def _replicated(state: ShardState) -> Iterator[_ReplicatedSession]:
-    session = _ReplicatedSession(state)
+def _replicated(
+    state: ShardState, streams: SideStreams | None
+) -> Iterator[_ReplicatedSession]:
+    session = _ReplicatedSession(state, streams)
     try:
         yield session
     finally:
@@ -497,11 +507,12 @@ class _ShardedSession:
     rank learns it there and stops (`aborted`), so none runs a phase the others skip.
     """
 
-    def __init__(self, state: ShardState, model: nn.Module, prefetch: int, train: bool) -> None:
+    def __init__(self, state: ShardState, model: nn.Module, prefetch: int,
+                 streams: SideStreams | None, train: bool) -> None:
         comm = state.config.comm
         layout = state.layout
         self.state = state
-        self.streams = Streams.for_device(state.config.device)
+        self.streams = streams
         self.triggers = trigger_modules(model, layout)
         # The first step has no agreed sequence: it gathers in rounds, learning one.
         order = state.bucket_order or BucketOrder((), ())
@@ -610,9 +621,10 @@ class _ShardedSession:
 
 @contextlib.contextmanager
 def _sharded(
-    state: ShardState, model: nn.Module, prefetch: int, *, train: bool
+    state: ShardState, model: nn.Module, prefetch: int, streams: SideStreams | None, *,
+    train: bool
 ) -> Iterator[_ShardedSession]:
-    session = _ShardedSession(state, model, prefetch, train)
+    session = _ShardedSession(state, model, prefetch, streams, train)
     try:
         yield session
     finally:
@@ -728,7 +740,7 @@ def _update(
     return None if all(s == state.step + 1 for s in after) else tuple(after)
 
 
-def _publish(state: ShardState, streams: Streams | None) -> None:
+def _publish(state: ShardState, streams: SideStreams | None) -> None:
     """Make the compute-dtype parameters reflect the updated master copy."""
     comm = state.config.comm
     pending = []

@@ -171,6 +171,7 @@ def train_body(
     buckets: Any = None,
     loss_scale: float | None = None,
     master: bool = False,
+    emulated_delay: float | None = None,
 ) -> dict[str, Any]:
     """Train `steps` steps on this rank's slices of `batches` (cycled); report what happened.
 
@@ -179,6 +180,8 @@ def train_body(
             `model` either way.
         loss_scale: replace the fp16 state's initial loss scale.
         master: also return `full_params(state, master=True)`.
+        emulated_delay: run collectives on `fzero.EmulatedStreams` with delays up to this many
+            seconds (seeded by rank).
 
     Returns:
         ``losses`` and ``metrics`` per step, final ``params`` (`full_params`), ``master`` when
@@ -191,8 +194,10 @@ def train_body(
     if loss_scale is not None:
         assert state.loss_scale is not None
         state = _with_scale(state, loss_scale)
+    streams = (fzero.EmulatedStreams(seed=comm.rank, max_delay=emulated_delay)
+               if emulated_delay is not None else None)
     kwargs: dict[str, Any] = {"accum_steps": accum, "clip_norm": clip, "prefetch": prefetch,
-                              "decay": decay}
+                              "decay": decay, "streams": streams}
     runner = skeleton if skeleton is not None else model
     step = fzero.make_train_step(runner, loss_fn or type(model).loss_fn, **kwargs)
     losses, metrics = [], []
@@ -201,6 +206,8 @@ def train_body(
         state, m = step(state, local)
         losses.append(m["loss"])
         metrics.append(m)
+    if streams is not None:
+        streams.close()
     out = {
         "losses": losses,
         "metrics": metrics,
