@@ -224,7 +224,8 @@ class Reducer:
         else:
             self.pending.append((index, launch(
                 self.streams, "reduce", grad, (grad,),
-                lambda g=grad: self.comm.all_reduce(g, op="avg", async_op=True))))
+                lambda g=grad: self.comm.all_reduce(g, op="avg", async_op=True,
+                                                    label=f"of bucket {bucket.label!r}"))))
 
     def _settle_previous(self) -> None:
         """Wait for the reductions in flight (see the note), within `patience` if set."""

@@ -241,7 +241,8 @@ def all_gather_bucket(
     if out is None:
         out = shard.new_empty(bucket.padded_numel)
     return launch(streams, "all_gather", out, (shard,),
-                  lambda: comm.all_gather(out, shard, async_op=True))
+                  lambda: comm.all_gather(out, shard, async_op=True,
+                                          label=f"of bucket {bucket.label!r}"))
 
 
 def reduce_scatter_bucket(
@@ -269,7 +270,8 @@ def reduce_scatter_bucket(
     if out is None:
         out = flat.new_empty(bucket.shard_numel)
     return launch(streams, "reduce", out, (flat,),
-                  lambda: comm.reduce_scatter(out, flat, op=op, async_op=True))
+                  lambda: comm.reduce_scatter(out, flat, op=op, async_op=True,
+                                              label=f"of bucket {bucket.label!r}"))
 
 
 class Collectives(NamedTuple):

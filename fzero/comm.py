@@ -36,7 +36,10 @@ Counts are integers: `P * b * (N-1) // N` rounds down, and is exact whenever P i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -47,6 +50,8 @@ __all__ = [
     "ALL_REDUCE_OPS",
     "COLLECTIVES",
     "REDUCE_SCATTER_OPS",
+    "CollectiveError",
+    "CollectiveTimeout",
     "Comm",
     "CommBase",
     "CommCounters",
@@ -104,21 +109,34 @@ class Comm(Protocol):
     world_size: int
     counters: CommCounters
 
-    def all_gather(self, output: Tensor, input: Tensor, *, async_op: bool = False) -> Work | None:
-        """`output[q*s:(q+1)*s] = input of rank q`, with `output.numel() == N * input.numel()`."""
+    def all_gather(
+        self, output: Tensor, input: Tensor, *, async_op: bool = False, label: str | None = None
+    ) -> Work | None:
+        """`output[q*s:(q+1)*s] = input of rank q`, with `output.numel() == N * input.numel()`.
+        `label` names what is moved in error messages (every collective takes one)."""
         ...
 
     def reduce_scatter(
-        self, output: Tensor, input: Tensor, *, op: str = "avg", async_op: bool = False
+        self,
+        output: Tensor,
+        input: Tensor,
+        *,
+        op: str = "avg",
+        async_op: bool = False,
+        label: str | None = None,
     ) -> Work | None:
         """`output = op over ranks q of input_q[r*s:(r+1)*s]`, `input.numel() == N * s`."""
         ...
 
-    def all_reduce(self, tensor: Tensor, *, op: str = "sum", async_op: bool = False) -> Work | None:
+    def all_reduce(
+        self, tensor: Tensor, *, op: str = "sum", async_op: bool = False, label: str | None = None
+    ) -> Work | None:
         """In place: `tensor = op over ranks q of tensor_q`."""
         ...
 
-    def broadcast(self, tensor: Tensor, *, src: int = 0, async_op: bool = False) -> Work | None:
+    def broadcast(
+        self, tensor: Tensor, *, src: int = 0, async_op: bool = False, label: str | None = None
+    ) -> Work | None:
         """In place: `tensor = tensor of rank src`."""
         ...
 
@@ -255,13 +273,59 @@ def _check_op(coll: str, rank: int, op: object, allowed: tuple[str, ...], t: Ten
     return str(op)
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed: the message names it (kind, number, channel, bucket), what this rank
+    was doing (the comm's `scope`), and the transport's own error (its ``__cause__``)."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A collective did not complete in time: some rank did not take part. The message names
+    the ranks that did not arrive where the transport can tell (always in `SimWorld`; over
+    gloo or NCCL only for two ranks, where it can only be the other one)."""
+
+
+class _Scope:
+    """What the ranks are doing (e.g. "train step 12, micro-batch 2/4"), shared by a comm and
+    its channels, for error messages."""
+
+    __slots__ = ("text",)
+
+    def __init__(self) -> None:
+        self.text = ""
+
+
+class _Explained:
+    """A `Work` whose failures are re-raised as `CollectiveError`, naming the collective."""
+
+    __slots__ = ("_work", "_explain")
+
+    def __init__(self, work: Work, explain: Callable[[BaseException], BaseException]) -> None:
+        self._work = work
+        self._explain = explain
+
+    def wait(self) -> None:
+        try:
+            self._work.wait()
+        except (CollectiveError, ValueError, TypeError):
+            raise
+        except Exception as exc:
+            raise self._explain(exc) from exc
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
 class CommBase:
-    """Validation and byte accounting shared by every `Comm` implementation.
+    """Validation, byte accounting and error context shared by every `Comm` implementation.
 
     Subclasses implement `_all_gather`, `_reduce_scatter`, `_all_reduce`, `_broadcast`,
     `_open_channel` and `barrier`; the public methods validate their arguments (before any
     communication), count the bytes, fold the call into `signature`, then call them. Validation
-    only looks at this rank's arguments, so a bad call raises on the rank that made it.
+    only looks at this rank's arguments, so a bad call raises on the rank that made it. A
+    failure or timeout of the transport is re-raised as `CollectiveError` /
+    `CollectiveTimeout`, naming the collective's kind, its number on its channel, its `label`
+    (e.g. the bucket), the comm's `scope` (e.g. the train step) and, where the transport can
+    tell, the ranks that did not arrive.
 
     Args:
         rank: This process's rank in `range(world_size)`.
@@ -281,11 +345,61 @@ class CommBase:
         self.rank = rank
         self.world_size = world_size
         self.counters = CommCounters()
+        self.name = "main"
         self._signature = 0
+        self._issued = 0
         self._channels: dict[str, Comm] = {}
+        self._scope = _Scope()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
+
+    @contextlib.contextmanager
+    def scope(self, text: str) -> Iterator[None]:
+        """Name what the ranks are doing (e.g. ``"train step 12"``) in collective errors of this
+        comm and its channels, for the duration of the block."""
+        before = self._scope.text
+        self._scope.text = text
+        try:
+            yield
+        finally:
+            self._scope.text = before
+
+    def _missing_ranks(self) -> str:
+        """Which ranks did not arrive at a timed-out collective, as far as this comm knows."""
+        if self.world_size == 2:
+            return f"rank {1 - self.rank} (the only other rank) did not arrive"
+        return ("the transport does not say which ranks did not arrive: look for the rank whose "
+                "log stops earliest")
+
+    def _named(
+        self, kind: str, label: str | None, start: Callable[[], Work | None]
+    ) -> Work | None:
+        """Run an implementation's `start`; give its failures a name (see the class doc)."""
+        number = self._issued
+        self._issued += 1
+        issued_at = time.monotonic()
+
+        def explain(exc: BaseException) -> BaseException:
+            where = f" {label}" if label else ""
+            channel = "" if self.name == "main" else f" on channel {self.name!r}"
+            scope = f" during {self._scope.text}" if self._scope.text else ""
+            text = (f"{kind} #{number}{channel}{where}{scope}, rank {self.rank} of "
+                    f"{self.world_size}, {time.monotonic() - issued_at:.1f} s after it was "
+                    f"issued: {type(exc).__name__}: {exc}")
+            if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() or (
+                    "timeout" in str(exc).lower()):
+                missing = "" if "never joined" in str(exc) else f"; {self._missing_ranks()}"
+                return CollectiveTimeout(text + missing)
+            return CollectiveError(text)
+
+        try:
+            work = start()
+        except (CollectiveError, ValueError, TypeError):
+            raise
+        except Exception as exc:
+            raise explain(exc) from exc
+        return None if work is None else _Explained(work, explain)
 
     @property
     def signature(self) -> int:
@@ -304,7 +418,7 @@ class CommBase:
         all-gathers parameters on one channel while it reduce-scatters gradients on another).
         ``host=True`` asks for a channel whose tensors live on the CPU (gloo beside NCCL), for
         small control messages that must not wait on the device. A channel counts its own
-        bytes and has its own `signature`.
+        bytes and has its own `signature`; it shares this comm's `scope`.
 
         The first call for a name is a collective: every rank must make it, in the same order.
         Later calls return the same channel.
@@ -313,7 +427,11 @@ class CommBase:
             raise ValueError(f"a channel needs a non-empty str name, got {name!r}")
         key = f"{name}@host" if host else name
         if key not in self._channels:
-            self._channels[key] = self._open_channel(key, host)
+            channel = self._open_channel(key, host)
+            if isinstance(channel, CommBase):
+                channel.name = key
+                channel._scope = self._scope
+            self._channels[key] = channel
         return self._channels[key]
 
     def _count(self, kind: str, big: Tensor, op: str | None = None) -> None:
@@ -326,13 +444,16 @@ class CommBase:
             _SIGNATURE_MODULUS
         )
 
-    def all_gather(self, output: Tensor, input: Tensor, *, async_op: bool = False) -> Work | None:
+    def all_gather(
+        self, output: Tensor, input: Tensor, *, async_op: bool = False, label: str | None = None
+    ) -> Work | None:
         """All-gather: `output[q*s:(q+1)*s] = input_q` on every rank, `s = input.numel()`.
 
         Args:
             output: Contiguous 1-D tensor of `world_size * input.numel()` elements.
             input: This rank's contiguous 1-D contribution, same dtype and device as `output`.
             async_op: Return a `Work` handle instead of waiting.
+            label: What is moved (e.g. ``"bucket 'blocks.3'"``), for error messages.
 
         Returns:
             A `Work` handle if `async_op`, else None.
@@ -349,10 +470,16 @@ class CommBase:
                 f"{self.world_size * inp.numel()}"
             )
         self._count("all_gather", out)
-        return self._all_gather(out, inp, async_op)
+        return self._named("all_gather", label, lambda: self._all_gather(out, inp, async_op))
 
     def reduce_scatter(
-        self, output: Tensor, input: Tensor, *, op: str = "avg", async_op: bool = False
+        self,
+        output: Tensor,
+        input: Tensor,
+        *,
+        op: str = "avg",
+        async_op: bool = False,
+        label: str | None = None,
     ) -> Work | None:
         """Reduce-scatter: `output = op over ranks q of input_q[r*s:(r+1)*s]` on rank r.
 
@@ -363,6 +490,7 @@ class CommBase:
                 in place).
             op: "sum" or "avg" (the sum divided by world_size).
             async_op: Return a `Work` handle instead of waiting.
+            label: What is moved, for error messages.
 
         Returns:
             A `Work` handle if `async_op`, else None.
@@ -380,15 +508,19 @@ class CommBase:
             )
         op = _check_op("reduce_scatter", self.rank, op, REDUCE_SCATTER_OPS, out)
         self._count("reduce_scatter", inp, op)
-        return self._reduce_scatter(out, inp, op, async_op)
+        return self._named("reduce_scatter", label,
+                           lambda: self._reduce_scatter(out, inp, op, async_op))
 
-    def all_reduce(self, tensor: Tensor, *, op: str = "sum", async_op: bool = False) -> Work | None:
+    def all_reduce(
+        self, tensor: Tensor, *, op: str = "sum", async_op: bool = False, label: str | None = None
+    ) -> Work | None:
         """All-reduce in place: `tensor = op over ranks q of tensor_q` on every rank.
 
         Args:
             tensor: Contiguous 1-D tensor, overwritten with the result.
             op: "sum", "avg" (the sum divided by world_size), "max" or "min".
             async_op: Return a `Work` handle instead of waiting.
+            label: What is reduced, for error messages.
 
         Returns:
             A `Work` handle if `async_op`, else None.
@@ -400,15 +532,18 @@ class CommBase:
         t = _check_tensor("all_reduce", self.rank, "tensor", tensor)
         op = _check_op("all_reduce", self.rank, op, ALL_REDUCE_OPS, t)
         self._count("all_reduce", t, op)
-        return self._all_reduce(t, op, async_op)
+        return self._named("all_reduce", label, lambda: self._all_reduce(t, op, async_op))
 
-    def broadcast(self, tensor: Tensor, *, src: int = 0, async_op: bool = False) -> Work | None:
+    def broadcast(
+        self, tensor: Tensor, *, src: int = 0, async_op: bool = False, label: str | None = None
+    ) -> Work | None:
         """Broadcast in place: `tensor = tensor_src` on every rank.
 
         Args:
             tensor: Contiguous 1-D tensor; read on `src`, overwritten elsewhere.
             src: The source rank, in `range(world_size)` (a rank of this group).
             async_op: Return a `Work` handle instead of waiting.
+            label: What is sent, for error messages.
 
         Returns:
             A `Work` handle if `async_op`, else None.
@@ -426,7 +561,7 @@ class CommBase:
                 f"{self.world_size})"
             )
         self._count("broadcast", t)
-        return self._broadcast(t, src, async_op)
+        return self._named("broadcast", label, lambda: self._broadcast(t, src, async_op))
 
     def barrier(self) -> None:
         """Block until every rank of the group has called `barrier`."""
@@ -487,7 +622,7 @@ def fingerprint_check(comm: Comm, value: int | str, what: str) -> None:
     device = getattr(comm, "device", torch.device("cpu"))
     mine = torch.tensor([_fingerprint_int64(value)], dtype=torch.int64, device=device)
     every = torch.empty(comm.world_size, dtype=torch.int64, device=device)
-    comm.all_gather(every, mine)
+    comm.all_gather(every, mine, label=f"of the {what}")
     values = every.tolist()
     differ = [r for r, v in enumerate(values) if v != values[0]]
     if differ:

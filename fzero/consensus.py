@@ -76,7 +76,7 @@ def agree_header(
         header = header._replace(micro_batches=0)
     mine = torch.tensor(list(header), dtype=torch.int64)
     every = torch.empty(n * len(header), dtype=torch.int64)
-    control.all_gather(every, mine)
+    control.all_gather(every, mine, label=f"of the {what} header")
     rows = every.view(n, len(header)).tolist()
     if own is not None:
         raise own
@@ -166,7 +166,7 @@ def exchange_statistics(
         vector += [float(signature // _HALF), float(signature % _HALF)]
     mine = torch.tensor(vector, dtype=torch.float64)
     every = torch.empty(n * len(vector), dtype=torch.float64)
-    control.all_gather(every, mine)
+    control.all_gather(every, mine, label="of the step statistics")
     table = every.view(n, len(vector)).tolist()
 
     failed_ranks = tuple(r for r in range(n) if table[r][3])
@@ -176,14 +176,14 @@ def exchange_statistics(
         buffer = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
         buffer[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         texts = torch.empty(n * _MESSAGE_BYTES, dtype=torch.uint8)
-        control.all_gather(texts, buffer)
+        control.all_gather(texts, buffer, label="of the failed ranks' errors")
         for r in failed_ranks:
             raw = bytes(texts[r * _MESSAGE_BYTES : (r + 1) * _MESSAGE_BYTES].tolist())
             messages[r] = raw.rstrip(b"\0").decode("utf-8", "replace")
     counts: tuple[int, ...] | None = None
     if not all(row[5] for row in table):  # some rank left a parameter unused: who used what
         flags = torch.tensor([float(u) for u in used], dtype=torch.float64)
-        control.all_reduce(flags, op="sum")
+        control.all_reduce(flags, op="sum", label="of the parameters each rank used")
         counts = tuple(int(c) for c in flags.tolist())
     reference = table[0][6:]
     return Statistics(

@@ -204,12 +204,12 @@ class Residency:
         n = self.control.world_size
         mine = torch.tensor([len(self.used)], dtype=torch.int64)
         lengths = torch.empty(n, dtype=torch.int64)
-        self.control.all_gather(lengths, mine)
+        self.control.all_gather(lengths, mine, label=f"of {self.phase} sequence lengths")
         width = max(int(lengths.max()), 1)
         padded = torch.full((width,), -1, dtype=torch.int64)
         padded[: len(self.used)] = torch.tensor(self.used, dtype=torch.int64)
         every = torch.empty(n * width, dtype=torch.int64)
-        self.control.all_gather(every, padded)
+        self.control.all_gather(every, padded, label=f"of {self.phase} sequences")
         rows = every.view(n, width).tolist()
         sizes = lengths.tolist()
         return merge([row[: int(size)] for row, size in zip(rows, sizes, strict=True)])
@@ -294,7 +294,7 @@ class Residency:
         n = self.control.world_size
         mine = torch.tensor(header(status, need, self.used), dtype=torch.int64)
         every = torch.empty(n * HEADER_WIDTH, dtype=torch.int64)
-        self.control.all_gather(every, mine)
+        self.control.all_gather(every, mine, label=f"of a {self.phase} gather round")
         headers = every.view(n, HEADER_WIDTH).tolist()
         self.failed.update(failed_ranks(headers))
         if any(row[0] in (FAILED, ABORTED) for row in headers):

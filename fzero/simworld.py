@@ -59,6 +59,16 @@ class _Aborted(RuntimeError):
     """A collective released because another rank failed (a secondary failure)."""
 
 
+def _secondary(error: BaseException | None) -> bool:
+    """Whether a rank's error only reports another rank's failure (an aborted collective, or
+    a `CollectiveError` explaining one)."""
+    while error is not None:
+        if isinstance(error, _Aborted):
+            return True
+        error = error.__cause__
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class _Call:
     """One rank's side of one collective."""
@@ -244,7 +254,7 @@ class SimComm(CommBase):
         self._world = world
         self._name = channel or _MAIN
         self._seq = 0
-        self._issue = threading.Lock()  # collectives may be issued from side-stream threads
+        self._issue_lock = threading.Lock()  # collectives may be issued from side-stream threads
         self._executor = ThreadPoolExecutor(
             1, thread_name_prefix=f"simworld-rank{rank}-{self._name}"
         )
@@ -254,7 +264,7 @@ class SimComm(CommBase):
         return SimComm(self._world, self.rank, name)  # no collective needed in one process
 
     def _submit(self, call: _Call, async_op: bool) -> Work | None:
-        with self._issue:
+        with self._issue_lock:
             seq, self._seq = self._seq, self._seq + 1
             future = self._executor.submit(
                 self._world.collective, self.rank, self._name, seq, call)
@@ -406,7 +416,7 @@ class SimWorld:
         failed = [r for r in range(n) if errors[r] is not None]
         if not failed:
             return results
-        primary = [r for r in failed if not isinstance(errors[r], _Aborted)] or failed
+        primary = [r for r in failed if not _secondary(errors[r])] or failed
         r = primary[0]
         exc = errors[r]
         raise SimWorldError(

@@ -40,6 +40,7 @@ __all__ = [
     "ShardConfig",
     "ShardState",
     "STAGES",
+    "check_finite",
     "check_live",
     "clone_state",
     "init",
@@ -55,8 +56,10 @@ class LossScale:
     """Dynamic loss scaling for float16 compute (the `torch.amp.GradScaler` rule).
 
     The loss is multiplied by `scale` before backward. A step with non-finite gradients is
-    skipped and the scale multiplied by `backoff`; after `interval` finite steps in a row it is
-    multiplied by `growth`.
+    skipped and the scale multiplied by `backoff`, but never below `floor`; after `interval`
+    finite steps in a row it is multiplied by `growth`. A step whose gradients are not finite
+    although the scale is at its floor raises (`fzero.StepError`): scaling cannot help any more,
+    and a scale stuck at 1 that silently stops training is what DeepSpeed#697 reports.
     """
 
     scale: float = 2.0**16
@@ -64,11 +67,18 @@ class LossScale:
     backoff: float = 0.5
     interval: int = 2000
     good_steps: int = 0
+    floor: float = 1.0
+
+    @property
+    def at_floor(self) -> bool:
+        """Whether the scale cannot back off any further."""
+        return self.scale <= self.floor
 
     def after(self, finite: bool) -> LossScale:
         """The scale state after a step whose gradients were (not) all finite."""
         if not finite:
-            return dataclasses.replace(self, scale=self.scale * self.backoff, good_steps=0)
+            scale = max(self.scale * self.backoff, self.floor)
+            return dataclasses.replace(self, scale=scale, good_steps=0)
         if self.good_steps + 1 >= self.interval:
             return dataclasses.replace(self, scale=self.scale * self.growth, good_steps=0)
         return dataclasses.replace(self, good_steps=self.good_steps + 1)
@@ -132,6 +142,8 @@ class ShardState:
     """Optimizer steps each trainable entry received (in layout order), when some parameter
     went unused by every rank in some step and so was not updated (as torch.optim skips a
     parameter whose grad is None); None while every entry received `step` updates."""
+    skipped: int = 0
+    """Steps skipped in a row because the gradients were not finite (0 after a good step)."""
     lease: Lease = field(default_factory=Lease, compare=False, repr=False)
 
     @property
@@ -143,6 +155,23 @@ class ShardState:
     def rank(self) -> int:
         """This rank."""
         return self.config.comm.rank
+
+
+def check_finite(flat: Tensor, bucket: Bucket) -> None:
+    """Raise if a bucket's flat values hold NaN or infinity, naming the parameters.
+
+    Raises:
+        ValueError: naming every parameter with a non-finite value (a bad checkpoint or
+            initializer): a NaN parameter would make every later step skip or spread.
+    """
+    if not flat.is_floating_point() or bool(torch.isfinite(flat).all()):
+        return
+    bad = [entry.name for entry in bucket.entries
+           if not bool(torch.isfinite(flat[entry.offset : entry.end]).all())]
+    raise ValueError(
+        f"parameters {bad} (bucket {bucket.label!r}) hold NaN or infinite values; fix the "
+        f"initializer or the checkpoint they come from before training"
+    )
 
 
 def check_live(state: Any, what: str) -> None:
@@ -193,17 +222,17 @@ def _flatten_state(state: ShardState) -> tuple[list[Any], Any]:
         state.buffers,
     ]
     context = (state.layout, state.stage, state.step, state.config, state.loss_scale,
-               state.bucket_order, state.param_steps, present)
+               state.bucket_order, state.param_steps, state.skipped, present)
     return children, context
 
 
 def _unflatten_state(children: Any, context: Any) -> ShardState:
     params, grads, master, moments, buffers = children
-    layout, stage, step, config, loss_scale, bucket_order, param_steps, present = context
+    layout, stage, step, config, loss_scale, bucket_order, param_steps, skipped, present = context
     return ShardState(
         layout, stage, step, tuple(params), _absent(grads, present), _absent(master, present),
         {name: _absent(values, present) for name, values in moments.items()}, dict(buffers),
-        config, loss_scale, bucket_order, param_steps,
+        config, loss_scale, bucket_order, param_steps, skipped,
     )
 
 
@@ -306,7 +335,8 @@ def init(
     params, grads, master = [], [], []
     for index, bucket in enumerate(source_layout.buckets):
         truth = source(bucket)  # (padded,) in the model's own dtype, on `device`
-        comm.broadcast(truth, src=0)
+        comm.broadcast(truth, src=0, label=f"of bucket {bucket.label!r}'s initial values")
+        check_finite(truth, bucket)  # every rank holds rank 0's values: all decide alike
         # Stage 3 keeps a copy of its shard, so the full buffer is freed after this bucket.
         kept = _keep(truth, bucket, comm.rank, full=stage < 3)
         compute = kept.to(layout.buckets[index].torch_dtype, copy=stage == 3)

@@ -104,6 +104,7 @@ def make_train_step(
     decay: Callable[[str, tuple[int, ...]], bool] | None = None,
     buffers: str = "broadcast",
     streams: SideStreams | None = None,
+    max_skipped: int = 50,
 ) -> Callable[[ShardState, Any], tuple[ShardState, dict[str, Any]]]:
     """Build ``step(state, batch) -> (state, metrics)`` for `model` (see the module docstring).
 
@@ -124,6 +125,9 @@ def make_train_step(
             micro-batch's forward; ``"local"``: each rank keeps its own.
         streams: where collectives run; default CUDA side streams on a CUDA device, the comm's
             async handles elsewhere; `fzero.collect.EmulatedStreams` to test the ordering on CPU.
+        max_skipped: steps that may be skipped in a row for non-finite gradients (e.g. fp16
+            loss-scale back-off) before the step raises `StepError`, naming the ranks whose loss
+            was not finite; a skipped step with non-finite *parameters* raises at once.
 
     Returns:
         The step function. ``metrics`` holds ``loss`` (mean over ranks and micro-batches),
@@ -145,6 +149,8 @@ def make_train_step(
         raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm=}")
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2 buckets, got {prefetch=}")
+    if isinstance(max_skipped, bool) or not isinstance(max_skipped, int) or max_skipped < 1:
+        raise ValueError(f"max_skipped must be an int >= 1, got {max_skipped=}")
     if buffers not in BUFFER_POLICIES:
         raise ValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers=}")
     if not isinstance(model, nn.Module):
@@ -166,6 +172,12 @@ def make_train_step(
             micro_batches = split_batch(batch, accum_steps)
         except (TypeError, ValueError) as exc:
             problem = exc
+        with state.config.comm.scope(f"train step {state.step + 1}"):
+            return _train(state, micro_batches, problem)
+
+    def _train(
+        state: ShardState, micro_batches: list[Any], problem: Exception | None
+    ) -> tuple[ShardState, dict[str, Any]]:
         comm = state.config.comm
         control = comm.channel(_CONTROL, host=True)
         agree_header(control, _header(state, len(micro_batches), kind=0), what="train step",
@@ -194,6 +206,8 @@ def make_train_step(
             _clip(grads, grad_norm, clip_norm)
             param_steps = _update(state, grads, used, decay, step_lr, plans)
             _publish(state, run.streams)
+        else:
+            _check_skip(state, stats, control, max_skipped)
         new_state = dataclasses.replace(
             state,
             step=next_step if finite else state.step,
@@ -201,6 +215,7 @@ def make_train_step(
             bucket_order=run.order if run.order is not None else state.bucket_order,
             buffers=buffers_now,
             param_steps=param_steps,
+            skipped=0 if finite else state.skipped + 1,
             lease=Lease(),
         )
         state.lease.consumed_by = next_step
@@ -382,27 +397,30 @@ def _run(
                   else _replicated(state, streams))
     losses: list[Tensor] = []
     failure: BaseException | None = None
+    comm = state.config.comm
     with session_of as session:
         bindings = _bindings(state, session.leaves, buffers)
         for index, micro in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             if session.aborted:  # every rank knows: nobody computes the rest
                 continue
-            if sync_buffers:
-                _broadcast_buffers(state.config.comm, buffers)
-            if failure is not None:  # only this rank knows: keep the collective sequence
-                session.skip(last)
-                continue
-            try:
-                loss = binder.run(bindings, lambda m=micro, lt=last: session.micro_batch(
-                    loss_fn, model, m, factor, lt))
-                if loss is not None:
-                    losses.append(loss)
-            except PeerFailed:  # a round showed another rank failed: stop with everyone
-                session.recover(last, peer=True)
-            except Exception as exc:  # every rank must learn of it: see _raise_if_failed
-                failure = exc
-                session.recover(last, peer=False)
+            where = f"train step {state.step + 1}, micro-batch {index + 1}/{len(micro_batches)}"
+            with comm.scope(where):
+                if sync_buffers:
+                    _broadcast_buffers(comm, buffers)
+                if failure is not None:  # only this rank knows: keep the collective sequence
+                    session.skip(last)
+                    continue
+                try:
+                    loss = binder.run(bindings, lambda m=micro, lt=last: session.micro_batch(
+                        loss_fn, model, m, factor, lt))
+                    if loss is not None:
+                        losses.append(loss)
+                except PeerFailed:  # a round showed another rank failed: stop with everyone
+                    session.recover(last, peer=True)
+                except Exception as exc:  # every rank must learn of it: see _raise_if_failed
+                    failure = exc
+                    session.recover(last, peer=False)
         grads = session.finish()
         return _Run(
             losses=losses,
@@ -686,6 +704,60 @@ def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
         )
 
 
+def _check_skip(state: ShardState, stats: Any, control: Comm, max_skipped: int) -> None:
+    """A step is being skipped (non-finite gradients): raise when skipping cannot help."""
+    step = state.step + 1
+    ranks = f"rank(s) {list(stats.nonfinite)} had a non-finite loss" if stats.nonfinite else (
+        "every rank's loss was finite: the gradients overflowed")
+    flag = torch.tensor([float(_parameters_not_finite(state))], dtype=torch.float64)
+    control.all_reduce(flag, op="max", label="of whether the parameters are finite")
+    if flag.item():
+        names = _nonfinite_parameters(state)
+        raise StepError(
+            f"train step {step}: the parameters themselves hold NaN or infinite values "
+            f"({names[:8] or 'on another rank'}); every step would now be skipped. Load a good "
+            f"checkpoint; the step was not applied ({ranks})",
+            step=step, ranks=list(stats.nonfinite),
+        )
+    scale = state.loss_scale
+    if scale is not None and scale.at_floor:
+        raise StepError(
+            f"train step {step}: gradients are not finite although the fp16 loss scale is at "
+            f"its floor {scale.floor:g} ({ranks}); loss scaling cannot help any more: the model "
+            f"diverged or the data holds NaN or infinity. The step was not applied",
+            step=step, ranks=list(stats.nonfinite),
+        )
+    if state.skipped + 1 >= max_skipped:
+        raise StepError(
+            f"train step {step}: {state.skipped + 1} steps in a row were skipped for non-finite "
+            f"gradients (max_skipped={max_skipped}; {ranks} at this step); training is not "
+            f"making progress. The step was not applied",
+            step=step, ranks=list(stats.nonfinite),
+        )
+
+
+def _parameters_not_finite(state: ShardState) -> bool:
+    floating = [p for p in state.params if p.is_floating_point() and p.numel()]
+    if not floating:
+        return False
+    return not all(bool(torch.isfinite(p).all()) for p in floating)
+
+
+def _nonfinite_parameters(state: ShardState) -> list[str]:
+    """Names of parameters with a non-finite value in this rank's part of them."""
+    names = []
+    for flat, bucket in zip(state.params, state.layout.buckets, strict=True):
+        if not flat.is_floating_point():
+            continue
+        if state.stage < 3:
+            views = zip(bucket.entries, entry_views(flat, bucket), strict=True)
+            names += [e.name for e, view in views if not bool(torch.isfinite(view).all())]
+        else:
+            names += [seg.entry.name for seg in bucket.segments(state.rank)
+                      if not bool(torch.isfinite(flat[seg.shard_start : seg.shard_end]).all())]
+    return names
+
+
 def _squared_norm(grads: Sequence[Tensor], state: ShardState) -> float:
     """This rank's share of the global squared gradient norm."""
     if not grads or (state.stage == 0 and state.rank != 0):  # stage 0: identical on all ranks
@@ -786,7 +858,7 @@ def _broadcast_buffers(comm: Comm, buffers: Mapping[str, Tensor]) -> None:
         return
     parts = [b.detach().reshape(-1).contiguous().view(torch.uint8) for b in tensors]
     flat = torch.cat(parts)  # (total bytes,)
-    comm.broadcast(flat, src=0)
+    comm.broadcast(flat, src=0, label="of rank 0's buffers")
     offset = 0
     with torch.no_grad():
         for tensor, part in zip(tensors, parts, strict=True):
