@@ -7,7 +7,7 @@ Pure core: `plan` (layout), `flatten` / `unflatten` / `shard` / `unshard` (flat 
 
 from fzero import memory, optim
 from fzero.collect import Collectives, EmulatedStreams, Pending, Streams, collectives
-from fzero.comm import Comm, CommCounters, Work
+from fzero.comm import CollectiveError, CollectiveTimeout, Comm, CommCounters, Work
 from fzero.consensus import StepError
 from fzero.flat import bucket_shards, flatten, shard, unflatten, unshard
 from fzero.launch import destroy_distributed, distributed, init_distributed
@@ -25,6 +25,8 @@ from fzero.step import (
 from fzero.torchcomm import TorchComm
 
 __all__ = [
+    "CollectiveError",
+    "CollectiveTimeout",
     "EmulatedStreams",
     "MicroBatches",
     "OutsideOwnerError",

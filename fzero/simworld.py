@@ -226,12 +226,14 @@ class _World:
 class _SimWork:
     """`Work` handle of an asynchronous `SimComm` collective."""
 
-    __slots__ = ("_future",)
+    __slots__ = ("_future", "waited")
 
     def __init__(self, future: Future[None]) -> None:
         self._future = future
+        self.waited = False
 
     def wait(self) -> None:
+        self.waited = True
         self._future.result()
 
     def is_completed(self) -> bool:
@@ -258,7 +260,7 @@ class SimComm(CommBase):
         self._executor = ThreadPoolExecutor(
             1, thread_name_prefix=f"simworld-rank{rank}-{self._name}"
         )
-        self._unwaited: list[BaseException] = []  # failures only: empty on the happy path
+        self._async: list[_SimWork] = []  # failed or not yet done async collectives
 
     def _open_channel(self, name: str, host: bool) -> SimComm:
         return SimComm(self._world, self.rank, name)  # no collective needed in one process
@@ -269,21 +271,21 @@ class SimComm(CommBase):
             future = self._executor.submit(
                 self._world.collective, self.rank, self._name, seq, call)
         if async_op:
-            future.add_done_callback(self._note_failure)
-            return _SimWork(future)
+            work = _SimWork(future)
+            self._async = [w for w in self._async if not w._future.done() or (
+                w._future.exception() is not None and not w.waited)]
+            self._async.append(work)
+            return work
         future.result()
         return None
 
-    def _note_failure(self, future: Future[None]) -> None:
-        exc = future.exception()
-        if exc is not None:
-            self._unwaited.append(exc)
-
     def _drain(self) -> BaseException | None:
-        """Let pending collectives finish (channels too); return the first failure, if any."""
+        """Let pending collectives finish (channels too); return the first failure of an async
+        collective nobody waited for, if any."""
         failures = [c._drain() for c in self._channels.values() if isinstance(c, SimComm)]
         self._executor.shutdown(wait=True)
-        failures.insert(0, self._unwaited[0] if self._unwaited else None)
+        unwaited = [w._future.exception() for w in self._async if not w.waited]
+        failures.insert(0, next((e for e in unwaited if e is not None), None))
         return next((f for f in failures if f is not None), None)
 
     def _all_gather(self, output: Tensor, input: Tensor, async_op: bool) -> Work | None:
