@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -74,11 +76,11 @@ class Completion:
     def _hook(self, index: int, position: int) -> Callable[[Tensor], None]:
         def on_ready(_: Tensor) -> None:
             self.used[index][position] = True
+            if self.completed[index]:
+                bucket = self.layout.buckets[index]
+                raise RuntimeError(LATE_GRADIENT_HELP.format(
+                    name=bucket.entries[position].name, label=bucket.label))
             if self.fired[index][position]:
-                if self.completed[index]:
-                    bucket = self.layout.buckets[index]
-                    raise RuntimeError(LATE_GRADIENT_HELP.format(
-                        name=bucket.entries[position].name, label=bucket.label))
                 return
             self.fired[index][position] = True
             self.ready[index] += 1
@@ -87,6 +89,13 @@ class Completion:
                 self.on_complete(index)
 
         return on_ready
+
+    def force(self, index: int) -> None:
+        """Complete bucket `index` now: this rank knows none of its leaves can get a gradient in
+        this backward (a gradient arriving anyway raises, as a late one does)."""
+        if not self.completed[index]:
+            self.completed[index] = True
+            self.on_complete(index)
 
     def reset(self) -> None:
         """Forget which leaves fired (before the next backward); `used` stays for the step."""
@@ -144,6 +153,10 @@ class Reducer:
     ) -> None:
         assert mode in ("all_reduce", "scatter_full", "scatter_leaves"), mode
         self.patience = patience
+        # With patience, a thread waits for each reduction on the host (a blocking wait, no
+        # polling), so the step can give up waiting without giving up the reduction.
+        self.waiter = ThreadPoolExecutor(1, thread_name_prefix="fzero-reduce-wait") if (
+            patience is not None) else None
         self.comm = comm
         self.layout = layout
         self.leaves = leaves
@@ -154,7 +167,7 @@ class Reducer:
         self.streams = streams
         self.ready = [False] * len(layout.buckets)
         self.next = 0  # position in `order` of the next bucket to launch
-        self.pending: list[tuple[int, Any]] = []
+        self.pending: list[_Flight] = []
         self.results: dict[int, Tensor] = {}
         self.live_bytes = 0  # flat gradient buffers alive (being reduced)
         self.peak_bytes = 0
@@ -176,18 +189,18 @@ class Reducer:
     def poll(self) -> None:
         """Collect the reductions that have finished, without waiting."""
         still = []
-        for index, pending in self.pending:
-            if _done(pending):
-                self._settle(index, pending)
+        for flight in self.pending:
+            if flight.done():
+                self._settle(flight)
             else:
-                still.append((index, pending))
+                still.append(flight)
         self.pending = still
 
     def finish(self) -> list[Tensor]:
         """Wait for every launched reduction; start the next round. Returns, per trainable
         bucket in bucket order, the reduced gradient (stage 0: full; otherwise the shard)."""
-        for index, pending in self.pending:
-            self._settle(index, pending)
+        for flight in self.pending:
+            self._settle(flight)
         self.pending = []
         self.ready = [False] * len(self.ready)
         self.next = 0
@@ -211,37 +224,51 @@ class Reducer:
                         piece.view(entry.shape).copy_(leaf.grad)
                     leaf.grad = None
                 flat[bucket.numel :].zero_()  # padding
-            self.pending.append((index, reduce_scatter_bucket(
-                self.comm, bucket, flat, streams=self.streams)))
+            self._fly(index, reduce_scatter_bucket(self.comm, bucket, flat, streams=self.streams))
             return
         if zero:
             grad.zero_()
         if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)
         if self.mode == "scatter_full":
-            self.pending.append((index, reduce_scatter_bucket(
-                self.comm, bucket, grad, streams=self.streams)))
+            self._fly(index, reduce_scatter_bucket(self.comm, bucket, grad, streams=self.streams))
         else:
-            self.pending.append((index, launch(
+            self._fly(index, launch(
                 self.streams, "reduce", grad, (grad,),
                 lambda g=grad: self.comm.all_reduce(g, op="avg", async_op=True,
-                                                    label=f"of bucket {bucket.label!r}"))))
+                                                    label=f"of bucket {bucket.label!r}")))
+
+    def _fly(self, index: int, pending: Pending) -> None:
+        host = self.waiter.submit(pending.wait_host) if self.waiter is not None else None
+        self.pending.append(_Flight(index, pending, host))
 
     def _settle_previous(self) -> None:
         """Wait for the reductions in flight (see the note), within `patience` if set."""
         if self.patience is None:
-            for index, pending in self.pending:
-                self._settle(index, pending)
+            for flight in self.pending:
+                self._settle(flight)
             self.pending = []
             return
         deadline = time.monotonic() + self.patience
-        self.poll()
-        while self.pending and time.monotonic() < deadline:
-            time.sleep(2e-4)
-            self.poll()
+        while self.pending:
+            flight = self.pending[0]
+            assert flight.host is not None
+            try:
+                flight.host.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:  # collected later: see the note
+                break
+            self._settle(self.pending.pop(0))
 
-    def _settle(self, index: int, pending: Any) -> None:
-        value = pending.wait()
+    def close(self) -> None:
+        """Stop the waiting thread (after `finish`)."""
+        if self.waiter is not None:
+            self.waiter.shutdown(wait=True)
+
+    def _settle(self, flight: _Flight) -> None:
+        index = flight.index
+        if flight.host is not None:
+            flight.host.result()  # re-raises the reduction's error
+        value = flight.pending.wait()
         if self.mode == "scatter_leaves":
             target = self.grads[index]
             assert target is not None
@@ -251,5 +278,13 @@ class Reducer:
             self.results[index] = value
 
 
-def _done(pending: Pending) -> bool:
-    return pending.is_completed()
+class _Flight(NamedTuple):
+    """A reduction in flight: its bucket, its pending result, and (with patience) the future of
+    the thread waiting for it on the host."""
+
+    index: int
+    pending: Pending
+    host: Future[None] | None
+
+    def done(self) -> bool:
+        return self.host.done() if self.host is not None else self.pending.is_completed()

@@ -188,11 +188,16 @@ class Pending:
         self._work = work
         self._event = event
 
-    def wait(self) -> Tensor:
-        """Block (CPU) or make the current stream wait (CUDA) until the output is ready."""
+    def wait_host(self) -> None:
+        """Block until the collective is done on the host (not the stream part of `wait`);
+        may run on another thread, once."""
         if self._work is not None:
             self._work.wait()
             self._work = None
+
+    def wait(self) -> Tensor:
+        """Block (CPU) or make the current stream wait (CUDA) until the output is ready."""
+        self.wait_host()
         if self._event is not None:
             stream = torch.cuda.current_stream(self._output.device)
             stream.wait_event(self._event)

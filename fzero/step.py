@@ -587,11 +587,15 @@ class _ShardedSession:
                     last: bool) -> Tensor | None:
         loss = self._forward(loss_fn, model, micro)
         _check_loss(loss, self.state)
+        touched = set(self.residency.used)
         self._end_phase(DONE)
         if self.aborted:  # another rank failed in this forward: no rank runs backward
             return None
         self.phase = "backward"
         self.residency.begin("backward")
+        for index in self.state.trainable:
+            if index not in touched:  # never gathered: no leaf of it is in the graph
+                self.completion.force(index)
         (loss * factor).backward()
         self._end_backward(DONE)
         return loss.detach()
@@ -635,6 +639,8 @@ class _ShardedSession:
         self.hooks.close()
         self.completion.close()
         self.residency.release_all()
+        if self.reducer is not None:
+            self.reducer.close()
 
 
 @contextlib.contextmanager
