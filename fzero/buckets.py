@@ -31,6 +31,7 @@ from torch import Tensor
 
 from fzero.collect import Pending, SideStreams, launch, reduce_scatter_bucket
 from fzero.comm import Comm
+from fzero.flat import shard_view
 from fzero.layout import ShardLayout
 
 __all__ = ["Completion", "Reducer", "LATE_GRADIENT_HELP"]
@@ -230,8 +231,10 @@ class Reducer:
             grad.zero_()
         if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)
-        if self.mode == "scatter_full":
-            self._fly(index, reduce_scatter_bucket(self.comm, bucket, grad, streams=self.streams))
+        if self.mode == "scatter_full":  # the rank's chunk of the full gradient holds its shard
+            out = shard_view(grad, bucket, self.comm.rank) if self.comm.in_place else None
+            self._fly(index, reduce_scatter_bucket(self.comm, bucket, grad, out=out,
+                                                   streams=self.streams))
         else:
             self._fly(index, launch(
                 self.streams, "reduce", grad, (grad,),

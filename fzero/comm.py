@@ -338,6 +338,10 @@ class CommBase:
     rank: int
     world_size: int
     counters: CommCounters
+    in_place: bool = False
+    """Whether an all-gather may take as input this rank's chunk of its own output, and a
+    reduce-scatter may write into this rank's chunk of its own input (no extra buffer). Set by
+    implementations that are known to handle it."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         if world_size < 1 or not 0 <= rank < world_size:

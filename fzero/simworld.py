@@ -250,6 +250,8 @@ class SimComm(CommBase):
         device: Always CPU (the device `fingerprint_check` and friends allocate on).
     """
 
+    in_place = True  # results are computed into fresh tensors, then copied
+
     def __init__(self, world: _World, rank: int, channel: str = "") -> None:
         super().__init__(rank, world.n)
         self.device = torch.device("cpu")

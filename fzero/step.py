@@ -832,8 +832,11 @@ def _publish(state: ShardState, streams: SideStreams | None) -> None:
             if separate:
                 params.copy_(master)
             continue
-        shard = master.to(params.dtype) if separate else shard_view(params, bucket,
-                                                                    state.rank).clone()
+        if separate:
+            shard = master.to(params.dtype)
+        else:  # the rank's chunk of params is its updated shard: gather in place if we may
+            shard = shard_view(params, bucket, state.rank)
+            shard = shard if comm.in_place else shard.clone()
         pending.append(all_gather_bucket(comm, bucket, shard, out=params, streams=streams))
     for handle in pending:
         handle.wait()

@@ -138,6 +138,10 @@ class TorchComm(CommBase):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport
+        # The per-rank transport copies the input into the output's chunk (a no-op when they
+        # alias) and reduces each chunk in place; the single-tensor collectives are not relied
+        # on for aliasing.
+        self.in_place = transport == "per_rank"
         self._global_ranks = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)
         ]
