@@ -5,7 +5,8 @@ Pure core: `plan` (layout), `flatten` / `unflatten` / `shard` / `unshard` (flat 
 `TorchComm` / `SimWorld` (collectives).
 """
 
-from fzero import memory, optim
+from fzero import checkpoint, memory, optim
+from fzero.checkpoint import consolidate, load, save
 from fzero.collect import Collectives, Pending, Streams, collectives
 from fzero.comm import (
     Comm,
@@ -39,7 +40,9 @@ __all__ = [
     "TorchComm",
     "Work",
     "bucket_shards",
+    "checkpoint",
     "collectives",
+    "consolidate",
     "full_params",
     "init",
     "make_eval_step",
@@ -48,9 +51,11 @@ __all__ = [
     "distributed",
     "flatten",
     "init_distributed",
+    "load",
     "memory",
     "optim",
     "plan",
+    "save",
     "shard",
     "unflatten",
     "unshard",

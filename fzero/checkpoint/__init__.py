@@ -16,13 +16,17 @@ byte ranges it needs and nothing else. Command line: ``python -m fzero.checkpoin
 
 from fzero.checkpoint.load import load
 from fzero.checkpoint.manifest import CheckpointError, Manifest, latest, read_manifest
+from fzero.checkpoint.offline import consolidate, export, reshard
 from fzero.checkpoint.save import save
 
 __all__ = [
     "CheckpointError",
     "Manifest",
+    "consolidate",
+    "export",
     "latest",
     "load",
     "read_manifest",
+    "reshard",
     "save",
 ]
