@@ -34,7 +34,7 @@ from torch import Tensor
 __all__ = ["CHUNK_BYTES", "DTYPE_CODES", "FileInfo", "ShardFile", "TensorSpec", "crc32",
            "write_file"]
 
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 4 << 20
 """Bytes per read when checksumming a file."""
 MAX_HEADER_BYTES = 100 << 20
 """A larger header is not a safetensors file (the library's own limit)."""

@@ -221,7 +221,8 @@ def _layout(
     if buckets is None and trainable is None:
         layout = saved.with_world_size(world_size)
     else:
-        groups = [list(b.names) for b in saved.buckets] if buckets is None else buckets
+        groups = [[e.name for e in b.entries] for b in saved.buckets] if buckets is None else (
+            buckets)
         layout = plan(model, world_size, buckets=groups, trainable=flags)
     if param_dtype is not None:
         layout = layout.cast(param_dtype)
