@@ -178,7 +178,7 @@ class Wide(nn.Module):
 
 
 def init_save_body(comm: Comm, model: nn.Module, path: str, *, stage: int,
-                   optimizer_state: bool = True) -> None:
+                   **save_kwargs: Any) -> None:
     """`fzero.init`, then save (no training)."""
     state = fzero.init(model, stage=stage, optimizer=make_optimizer(("adamw", ADAMW)), comm=comm)
-    fzero.save(state, path, optimizer_state=optimizer_state)
+    fzero.save(state, path, **save_kwargs)

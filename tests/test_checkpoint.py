@@ -4,8 +4,10 @@ and stage (SimWorld, and gloo processes), offline consolidate/reshard/export, ba
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -16,9 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fzero
-from fzero.checkpoint import read_manifest
+from fzero.checkpoint import CheckpointError, read_manifest
 from fzero.checkpoint.files import ShardFile, TensorSpec, crc32, write_file
-from fzero.checkpoint.manifest import Manifest
+from fzero.checkpoint.manifest import Manifest, latest
 from fzero.checkpoint.mapping import reads, regroup
 
 from checkpoint_bodies import resume_body, run_body, train_save_body
@@ -550,3 +552,280 @@ def test_command_line_runs_as_a_module(saved_runs) -> None:
                           env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert done.returncode == 0, done.stderr
     assert "world size 1" in done.stdout and done.stderr == ""
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the file and the problem, before any state is built
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> str:
+    """A fresh TinyGPT checkpoint at N=2, stage 3, to damage."""
+    path = str(tmp_path / "c")
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 1, path, stage=3)
+    return path
+
+
+@pytest.fixture
+def no_state_built(monkeypatch):
+    """Fail the test if a load gets as far as allocating the state."""
+    from fzero.checkpoint import record
+
+    def build(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a state was built from a bad checkpoint")
+
+    monkeypatch.setattr(record, "build", build)
+
+
+def load_errors(path: str, world: int = 2, model: Any = None, **kwargs: Any) -> list[str]:
+    """Every rank's error from loading `path` (each rank must raise a CheckpointError)."""
+    from checkpoint_bodies import load_error_body
+
+    results = fzero.SimWorld(world).run(load_error_body, model or TinyGPT(), path, **kwargs)
+    assert {kind for kind, _ in results} == {"CheckpointError"}, results
+    return [message for _, message in results]
+
+
+def flip_byte(path: str, offset_from_end: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-offset_from_end, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_not_a_checkpoint(tmp_path, no_state_built) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"x")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "file").write_text("hello")
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "manifest.json").write_text('{"format": "something else"}')
+    (tmp_path / "gone.partial").mkdir()
+    cases = {
+        "missing": "no checkpoint at .*missing: no such file or directory",
+        "gone": r"gone: no such file or directory \(.*gone.partial exists: a save that did not",
+        "file": "file is a file, not an fzero checkpoint",
+        "empty": "empty is not an fzero checkpoint: it has no manifest.json",
+        "dcp": "dcp is not an fzero checkpoint: .* a torch.distributed.checkpoint directory",
+        "hf": "hf is not an fzero checkpoint: .* an exported model",
+        "json": r"json/manifest.json is not an fzero checkpoint manifest \(format 'something",
+    }
+    for name, pattern in cases.items():
+        for message in load_errors(str(tmp_path / name)):
+            assert re.search(pattern, message), (name, message)
+        with pytest.raises(CheckpointError, match=pattern):
+            fzero.consolidate(tmp_path / name)
+
+
+def edit_manifest(path: str, edit: Any) -> None:
+    where = os.path.join(path, "manifest.json")
+    with open(where) as f:
+        doc = json.load(f)
+    edit(doc)
+    with open(where, "w") as f:
+        json.dump(doc, f)
+
+
+def test_newer_format_version(checkpoint, no_state_built) -> None:
+    edit_manifest(checkpoint, lambda doc: doc.update(version=99))
+    for message in load_errors(checkpoint):
+        assert "manifest.json has checkpoint format version 99, newer than the version 1" in (
+            message) and "upgrade fzero" in message
+
+
+def test_missing_and_truncated_shard_files(checkpoint, no_state_built) -> None:
+    second = os.path.join(checkpoint, "shard-00001-of-00002.safetensors")
+    size = os.path.getsize(second)
+    os.truncate(second, size - 100)
+    for message in load_errors(checkpoint, world=3):
+        assert f"shard-00001-of-00002.safetensors is {size - 100} bytes but the manifest " \
+               f"records {size}: the file is truncated" in message
+    os.remove(second)
+    for message in load_errors(checkpoint, world=1):
+        assert "shard-00001-of-00002.safetensors is missing: the manifest lists it as rank 1" in (
+            message)
+    with pytest.raises(CheckpointError, match="shard-00001-of-00002.safetensors is missing"):
+        fzero.checkpoint.export(checkpoint, os.path.join(checkpoint, "..", "out"))
+
+
+def test_checksum_mismatch(checkpoint, no_state_built, monkeypatch) -> None:
+    flip_byte(os.path.join(checkpoint, "shard-00001-of-00002.safetensors"), 1000)
+    messages = load_errors(checkpoint)
+    assert "shard-00001-of-00002.safetensors fails its checksum: CRC-32 0x" in messages[1]
+    assert "the manifest records 0x" in messages[1]
+    assert "shard-00001-of-00002.safetensors fails its checksum (found by rank 1" in messages[0]
+    with pytest.raises(CheckpointError, match="00001-of-00002.safetensors fails its checksum"):
+        fzero.checkpoint.reshard(checkpoint, checkpoint + "-r", world_size=1)
+    assert not os.path.exists(checkpoint + "-r")
+    # Skipping checksums reads the damaged values: the option exists for trusted storage only.
+    monkeypatch.undo()
+    load_state = fzero.SimWorld(2).run(resume_body, TinyGPT(), gpt_batches(), [checkpoint], 0,
+                                       verify_checksums=False)
+    assert load_state[0][0]["loaded"]["step"] == 1
+
+
+def test_checkpoint_of_another_model_lists_the_differences(checkpoint, no_state_built) -> None:
+    for message in load_errors(checkpoint, model=TinyGPT(d_model=24, n_layer=3)):
+        assert "manifest.json is a checkpoint of another model" in message
+        assert "parameters only in the model: [blocks.2." in message
+        assert "shapes differ (checkpoint vs model): [blocks.0.attn.proj.bias: (16,) vs (24,)" in (
+            message)
+    for message in load_errors(checkpoint, model=MLP()):
+        assert "parameters only in the checkpoint: [blocks.0.attn.proj.bias" in message
+        assert "parameters only in the model: [fc1.bias, fc1.weight, fc2.bias, fc2.weight]" in (
+            message)
+
+
+def test_buffers_of_another_model(tmp_path, no_state_built) -> None:
+    path = str(tmp_path / "c")
+    fzero.SimWorld(1).run(train_save_body, FrozenMix(), [FrozenMix.make_batch(0, 2)], 1, path,
+                          stage=0)
+    model = FrozenMix()
+    del model.perm
+    model.register_buffer("other", torch.zeros(3))
+    for message in load_errors(path, world=1, model=model):
+        assert "buffers only in the checkpoint: [perm]" in message
+        assert "buffers only in the model: [other]" in message
+
+
+def test_optimizer_problems(tmp_path, no_state_built) -> None:
+    from checkpoint_bodies import make_optimizer
+
+    weights = str(tmp_path / "weights")
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 1, weights, stage=3,
+                          optimizer_state=False)
+    for message in load_errors(weights):
+        assert "weights holds no optimizer state (saved with optimizer_state=False): load it " \
+               "with weights_only=True" in message
+    adamw = str(tmp_path / "adamw")
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 1, adamw, stage=3)
+    sgd = make_optimizer(("sgd", {"lr": 0.1, "momentum": 0.9}))
+    for message in load_errors(adamw, optimizer=sgd):
+        assert "holds optimizer moments ['exp_avg', 'exp_avg_sq'], but the optimizer keeps " \
+               "['momentum_buffer']" in message
+    edit_manifest(adamw, lambda doc: doc["state"]["optimizer"].update(schedule=True))
+    for message in load_errors(adamw):
+        assert "was trained with a learning-rate schedule (adamw), which a checkpoint cannot " \
+               "store: pass the optimizer again" in message
+
+
+def test_unfreezing_needs_weights_only(tmp_path, no_state_built) -> None:
+    path = str(tmp_path / "c")
+    fzero.SimWorld(1).run(train_save_body, FrozenMix(), [FrozenMix.make_batch(0, 2)], 1, path,
+                          stage=1)
+    everything = FrozenMix().requires_grad_(True)
+    for message in load_errors(path, world=1, model=everything, trainable=lambda name: True):
+        assert "parameters frozen when saved are trainable now and have no optimizer state: " \
+               "[frozen.bias, frozen.weight, offset]" in message
+
+
+# ----------------------------------------------------------------------------------------------
+# Atomic saves
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch) -> None:
+    from checkpoint_bodies import save_error_body
+
+    save_module = importlib.import_module("fzero.checkpoint.saving")
+
+    path = str(tmp_path / "c")
+    before = fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 1, path,
+                                   stage=3)[0]
+    real = save_module.write_file
+
+    def crash_on_rank1(target, *args, **kwargs):
+        if "shard-00001" in os.fspath(target):
+            with open(target, "wb") as f:
+                f.write(b"half a file")
+            raise OSError("disk full (simulated)")
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_file", crash_on_rank1)
+    results = fzero.SimWorld(2).run(save_error_body, TinyGPT(), path, overwrite=True)
+    for kind, message in results:
+        assert kind == "CheckpointError" and "failed on ranks [1]; nothing was written" in message
+    assert "disk full (simulated)" in results[1][1]
+    assert sorted(os.listdir(tmp_path)) == ["c"]  # no partial directory left behind
+    monkeypatch.setattr(save_module, "write_file", real)
+    (after,) = fzero.SimWorld(2).run(resume_body, TinyGPT(), gpt_batches(), [path], 0)[0]
+    assert_state_equal(after["loaded"], before["saved"], exact=True)
+
+
+def test_save_refuses_to_overwrite_unless_asked(tmp_path) -> None:
+    from checkpoint_bodies import save_error_body
+
+    path = str(tmp_path / "c")
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 1, path, stage=3)
+    for kind, message in fzero.SimWorld(2).run(save_error_body, TinyGPT(), path):
+        assert kind == "CheckpointError" and "c exists: pass overwrite=True" in message
+    assert read_manifest(path).step == 1
+    for kind, _ in fzero.SimWorld(2).run(save_error_body, TinyGPT(), path, extra={"x": object()}):
+        assert kind == "TypeError"
+
+
+def test_interrupted_save_is_ignored_and_cleaned(tmp_path) -> None:
+    root = tmp_path / "run"
+    for steps in (1, 3):
+        fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), steps,
+                              str(root / f"step-{steps:06d}"), stage=3)
+    # A job killed mid-save leaves its partial directory (even with a manifest in it).
+    killed = root / "step-000005.partial"
+    killed.mkdir()
+    (killed / "manifest.json").write_text("{")
+    (killed / "shard-00000-of-00002.safetensors").write_bytes(b"junk")
+    assert latest(root) == str(root / "step-000003")
+    assert latest(tmp_path / "nothing") is None
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 5, str(root / "step-000005"),
+                          stage=3)
+    assert latest(root) == str(root / "step-000005")
+    assert sorted(os.listdir(root)) == ["step-000001", "step-000003", "step-000005"]
+
+
+def test_overwrite_replaces_atomically(tmp_path) -> None:
+    from checkpoint_bodies import init_save_body
+
+    path = str(tmp_path / "c")
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 2, path, stage=3)
+    fzero.SimWorld(3).run(init_save_body, TinyGPT(), path, stage=1, overwrite=True)
+    manifest = read_manifest(path)
+    assert manifest.world_size == 3 and manifest.step == 0
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+# ----------------------------------------------------------------------------------------------
+# gloo processes
+
+
+def test_gloo_save_load_and_reshard(gloo_pool, tmp_path) -> None:
+    """Two gloo processes save at stage 3; two resume bitwise (RNG states included), three
+    load it resharded at stage 1."""
+    from checkpoint_bodies import rng_body
+
+    path = str(tmp_path / "c")
+    saved = gloo_pool(2).run(train_save_body, TinyGPT(), gpt_batches(), SAVE_AT, path, stage=3)
+    reference = gloo_pool(2).run(run_body, TinyGPT(), gpt_batches(), SAVE_AT + CONTINUE,
+                                 stage=3)[0]
+    (same,) = gloo_pool(2).run(resume_body, TinyGPT(), gpt_batches(), [path], CONTINUE)[0]
+    assert_state_equal(same["loaded"], saved[0]["saved"], exact=True)
+    assert_losses(saved[0]["losses"] + same["losses"], reference["losses"], exact=True)
+    assert_state_equal(same["final"], reference["final"], exact=True)
+    (other,) = gloo_pool(3).run(resume_body, TinyGPT(), gpt_batches(), [path], 1, stage=1)[0]
+    assert_state_equal(other["loaded"], saved[0]["saved"], exact=True)
+    rng = str(tmp_path / "rng")
+    drawn = gloo_pool(2).run(rng_body, TinyGPT(), rng, save=True)
+    assert drawn[0] != drawn[1]
+    assert gloo_pool(2).run(rng_body, TinyGPT(), rng, save=False) == drawn
+
+
+def test_gloo_every_rank_raises_on_a_damaged_file(gloo_pool, tmp_path) -> None:
+    from checkpoint_bodies import load_error_body
+
+    path = str(tmp_path / "c")
+    gloo_pool(3).run(train_save_body, TinyGPT(), gpt_batches(), 1, path, stage=2)
+    flip_byte(os.path.join(path, "shard-00002-of-00003.safetensors"), 500)
+    results = gloo_pool(3).run(load_error_body, TinyGPT(), path)
+    assert [kind for kind, _ in results] == ["CheckpointError"] * 3
+    assert all("shard-00002-of-00003.safetensors fails its checksum" in m for _, m in results)

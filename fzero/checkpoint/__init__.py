@@ -14,10 +14,10 @@ byte ranges it needs and nothing else. Command line: ``python -m fzero.checkpoin
 {inspect,reshard,consolidate,export}``.
 """
 
-from fzero.checkpoint.load import load
+from fzero.checkpoint.loading import load
 from fzero.checkpoint.manifest import CheckpointError, Manifest, latest, read_manifest
 from fzero.checkpoint.offline import consolidate, export, reshard
-from fzero.checkpoint.save import save
+from fzero.checkpoint.saving import save
 
 __all__ = [
     "CheckpointError",

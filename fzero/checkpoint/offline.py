@@ -1,6 +1,6 @@
 """Offline tools, one process and no process group: consolidate, reshard, export.
 
-Each reads a checkpoint through `fzero.checkpoint.load.Reader`, so it reads every stored byte
+Each reads a checkpoint through `fzero.checkpoint.loading.Reader`, so it reads every stored byte
 it needs once, straight into the tensor that keeps it, and holds at most one bucket (reshard),
 one parameter (export) or the output itself (consolidate) at a time. Files are verified
 (sizes, headers, CRC-32) before anything is read or written.
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from fzero.checkpoint import record
 from fzero.checkpoint.files import TensorSpec, write_file
-from fzero.checkpoint.load import Reader
+from fzero.checkpoint.loading import Reader
 from fzero.checkpoint.manifest import (
     MANIFEST,
     PARTIAL_SUFFIX,
@@ -32,7 +32,7 @@ from fzero.checkpoint.manifest import (
     shard_name,
 )
 from fzero.checkpoint.mapping import regroup
-from fzero.checkpoint.save import fzero_version
+from fzero.checkpoint.saving import fzero_version
 from fzero.checkpoint.verify import verify
 from fzero.layout import ShardLayout
 from fzero.state import STAGES

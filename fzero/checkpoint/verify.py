@@ -26,10 +26,6 @@ __all__ = ["verify"]
 _OK, _HEADER, _CHECKSUM = 0, 1, 2
 
 
-class _ChecksumError(CheckpointError):
-    pass
-
-
 def verify(
     path: str, manifest: Manifest, comm: Comm | None = None, *, checksums: bool = True
 ) -> None:
@@ -46,16 +42,14 @@ def verify(
         _check_present(path, entry)
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
     codes = [_OK] * len(manifest.files)
-    mine: dict[int, CheckpointError] = {}
+    mine: dict[int, str] = {}
     for index in range(rank, len(manifest.files), world):
         try:
-            _check_contents(path, manifest, manifest.files[index], checksums)
-        except CheckpointError as error:
-            codes[index] = _CHECKSUM if isinstance(error, _ChecksumError) else _HEADER
-            mine[index] = error
+            problem = _check_contents(path, manifest, manifest.files[index], checksums)
         except OSError as error:  # unreadable: every rank must still reach the all-reduce
-            codes[index] = _HEADER
-            mine[index] = CheckpointError(f"{manifest.files[index].name}: {error}")
+            problem = _HEADER, f"{os.path.join(path, manifest.files[index].name)}: {error}"
+        if problem is not None:
+            codes[index], mine[index] = problem
     if comm is not None:
         device = getattr(comm, "device", torch.device("cpu"))
         shared = torch.tensor(codes, dtype=torch.int64, device=device)
@@ -65,7 +59,7 @@ def verify(
         if code == _OK:
             continue
         if index in mine:
-            raise mine[index]
+            raise CheckpointError(mine[index])
         name = os.path.join(path, manifest.files[index].name)
         what = "fails its checksum" if code == _CHECKSUM else "has a malformed header"
         raise CheckpointError(
@@ -90,24 +84,26 @@ def _check_present(path: str, entry: FileEntry) -> None:
         )
 
 
-def _check_contents(path: str, manifest: Manifest, entry: FileEntry, checksums: bool) -> None:
+def _check_contents(
+    path: str, manifest: Manifest, entry: FileEntry, checksums: bool
+) -> tuple[int, str] | None:
+    """None, or ``(code, message)`` for the file's first problem."""
     name = os.path.join(path, entry.name)
     try:
         with ShardFile(name) as f:
             found = {k: (dtype, shape) for k, (dtype, shape, _) in f.tensors.items()}
     except ValueError as error:
-        raise CheckpointError(str(error)) from None
+        return _HEADER, str(error)
     expected = record.file_specs(manifest.layout, manifest.state, manifest.buffers, entry.rank)
     problems = _differences(found, [(s.name, s.dtype, s.shape) for s in expected], entry.rng)
     if problems:
-        raise CheckpointError(f"{name} does not hold what the manifest says: {problems}")
+        return _HEADER, f"{name} does not hold what the manifest says: {problems}"
     if checksums:
         actual = crc32(name)
         if actual != entry.crc32:
-            raise _ChecksumError(
-                f"{name} fails its checksum: CRC-32 {actual:#010x}, the manifest records "
-                f"{entry.crc32:#010x}: the file is corrupt"
-            )
+            return _CHECKSUM, (f"{name} fails its checksum: CRC-32 {actual:#010x}, the manifest "
+                               f"records {entry.crc32:#010x}: the file is corrupt")
+    return None
 
 
 def _differences(

@@ -40,6 +40,8 @@ from fzero.state import ShardState
 
 __all__ = ["fzero_version", "save"]
 
+_OK, _EXISTS, _FAILED = 0, 1, 2  # rank 0's verdicts, broadcast
+
 
 def save(
     state: ShardState,
@@ -81,11 +83,13 @@ def save(
     buffers = record.describe_buffers(state)
 
     # 1. rank 0 prepares the partial directory; everyone learns whether it could.
-    failure = None
-    if comm.rank == 0:
-        failure = _prepare(path, partial, overwrite)
-    if _share(comm, int(failure is not None)):
-        raise CheckpointError(failure or f"rank 0 could not prepare {partial}: see its error")
+    code, failure = _prepare(path, partial, overwrite) if comm.rank == 0 else (_OK, None)
+    code = _share(comm, code)
+    if code == _EXISTS:
+        raise CheckpointError(f"{path} exists: pass overwrite=True to replace it, or save to a "
+                              f"new path")
+    if code != _OK:
+        raise CheckpointError(failure or f"rank 0 could not create {partial}: see its error")
 
     # 2. every rank writes its shard file.
     tensors = record.shard_tensors(state, optimizer_state=optimizer_state)
@@ -126,7 +130,7 @@ def save(
             torch_version=torch.__version__,
         )
         failure = _publish(manifest, path, partial)
-    if _share(comm, int(failure is not None)):
+    if _share(comm, _OK if failure is None else _FAILED) != _OK:
         raise CheckpointError(failure or f"rank 0 could not publish {path}: see its error")
 
 
@@ -138,15 +142,15 @@ def fzero_version() -> str:
         return "unknown"
 
 
-def _prepare(path: str, partial: str, overwrite: bool) -> str | None:
+def _prepare(path: str, partial: str, overwrite: bool) -> tuple[int, str | None]:
     if os.path.exists(path) and not overwrite:
-        return f"{path} exists: pass overwrite=True to replace it, or save to a new path"
+        return _EXISTS, None
     try:
         shutil.rmtree(partial, ignore_errors=True)  # an interrupted save's leftovers
         os.makedirs(partial)
     except OSError as error:
-        return f"cannot create {partial}: {error}"
-    return None
+        return _FAILED, f"cannot create {partial}: {error}"
+    return _OK, None
 
 
 def _publish(manifest: Manifest, path: str, partial: str) -> str | None:
@@ -188,11 +192,11 @@ def _rng_states(device: torch.device) -> list[tuple[str, Tensor]]:
     return states
 
 
-def _share(comm: Comm, flag: int) -> bool:
-    """Rank 0's flag, on every rank."""
-    tensor = torch.tensor([flag], dtype=torch.int64, device=_device(comm))
+def _share(comm: Comm, code: int) -> int:
+    """Rank 0's code, on every rank."""
+    tensor = torch.tensor([code], dtype=torch.int64, device=_device(comm))
     comm.broadcast(tensor, src=0)
-    return bool(tensor.item())
+    return int(tensor.item())
 
 
 def _gather(comm: Comm, values: list[int]) -> list[tuple[int, ...]]:
