@@ -203,7 +203,11 @@ def build(
         grads.append(torch.zeros(bucket.padded_numel if stage < 2 else bucket.shard_numel,
                                  dtype=grad_dtype, device=device))
     trainable = [m for m in master if m is not None]
-    moments = optimizer.init(trainable)
+    if fresh_optimizer:
+        moments = optimizer.init(trainable)
+    else:  # shaped like the master copy (the `Moments` contract); every element is read below
+        moments = {name: tuple(torch.empty_like(m) for m in trainable)
+                   for name in optimizer.init([])}
     moments = {name: _spread(values, master) for name, values in moments.items()}
     if not fresh_optimizer:
         for name, values in moments.items():
