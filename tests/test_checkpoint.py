@@ -829,3 +829,41 @@ def test_gloo_every_rank_raises_on_a_damaged_file(gloo_pool, tmp_path) -> None:
     results = gloo_pool(3).run(load_error_body, TinyGPT(), path)
     assert [kind for kind, _ in results] == ["CheckpointError"] * 3
     assert all("shard-00002-of-00003.safetensors fails its checksum" in m for _, m in results)
+
+
+# ----------------------------------------------------------------------------------------------
+# Examples
+
+
+def run_example(*argv: str) -> str:
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_train_gpt_restarts_where_it_stopped(tmp_path) -> None:
+    """A job stopped after 3 of 4 steps and rerun ends exactly where the uninterrupted job
+    does: same parameters, moments and sampler state, bitwise."""
+    args = ["examples/train_gpt.py", "--steps", "4", "--batch-size", "4", "--seq-len", "16",
+            "--warmup-steps", "1", "--sample-bytes", "0", "--save-every", "2"]
+    run_example(*args, "--resume", str(tmp_path / "a"))
+    first = run_example(*args, "--resume", str(tmp_path / "b"), "--stop-after", "3")
+    second = run_example(*args, "--resume", str(tmp_path / "b"))
+    assert "resume" not in first and f"resume {tmp_path / 'b' / 'step-000003'}: 3 steps" in second
+    assert sorted(os.listdir(tmp_path / "b")) == ["step-000002", "step-000003", "step-000004"]
+    whole, whole_tensors = shard_contents(str(tmp_path / "a" / "step-000004"))
+    resumed, resumed_tensors = shard_contents(str(tmp_path / "b" / "step-000004"))
+    assert whole.extra == resumed.extra and whole.step == resumed.step == 4
+    assert whole_tensors.keys() == resumed_tensors.keys()
+    for key, value in whole_tensors.items():
+        assert bitwise_equal(resumed_tensors[key], value), key
+    done = run_example(*args, "--resume", str(tmp_path / "b"))
+    assert "all 4 steps were taken already" in done
+
+
+@pytest.mark.slow
+def test_bench_checkpoint_runs(tmp_path) -> None:
+    out = run_example("examples/bench_checkpoint.py", "--size", "small", "--dir", str(tmp_path))
+    assert "| fzero stage 3 |" in out and "| FSDP2 + DCP |" in out
