@@ -105,16 +105,10 @@ def load(
     verify(path, manifest, comm, checksums=verify_checksums)
 
     with Reader(path, manifest, layout) as reader:
-        buffers = {}
-        for name in buffer_names:
-            value = reader.buffer(name).to(device)
-            if param_dtype is not None and value.is_floating_point():
-                value = value.to(param_dtype)  # as init casts them
-            buffers[name] = value
         state = record.build(
             layout, stage, saved, reader.fill, comm=comm, optimizer=optimizer,
             param_dtype=param_dtype, master_dtype=master_dtype, reduce_dtype=reduce_dtype,
-            device=device, buffers=buffers,
+            device=device, buffers={name: reader.buffer for name in buffer_names},
             same_buckets=[b.names for b in layout.buckets]
             == [b.names for b in manifest.layout.buckets],
             fresh_optimizer=weights_only,

@@ -161,7 +161,7 @@ def build(
     master_dtype: torch.dtype,
     reduce_dtype: torch.dtype | None,
     device: torch.device,
-    buffers: dict[str, Tensor],
+    buffers: Mapping[str, Callable[[str], Tensor]],
     same_buckets: bool,
     fresh_optimizer: bool,
 ) -> ShardState:
@@ -173,6 +173,7 @@ def build(
         stage: the new stage.
         record: `describe`'s output, from the manifest.
         fill: reads stored values into a tensor.
+        buffers: the model's buffer names, each with a function that reads its stored value.
         same_buckets: the buckets are the stored ones (the learned stage-3 order still applies).
         fresh_optimizer: start the optimizer afresh (zero moments, step 0) instead of reading it.
         Others: as for `fzero.init`.
@@ -225,6 +226,12 @@ def build(
         BucketOrder(tuple(order["forward"]), tuple(order["backward"]))
         if order is not None and same_buckets and stage == 3 else None
     )
+    values = {}
+    for name, read in buffers.items():
+        value = read(name).to(device)
+        if param_dtype is not None and value.is_floating_point():
+            value = value.to(param_dtype)  # as init casts them
+        values[name] = value
     config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device)
     return ShardState(
         layout=layout,
@@ -234,7 +241,7 @@ def build(
         grads=tuple(grads),
         master=tuple(master),
         moments=moments,
-        buffers=buffers,
+        buffers=values,
         config=config,
         loss_scale=loss_scale,
         bucket_order=bucket_order,
