@@ -411,6 +411,14 @@ base = _reset_peak_rss()
 if what == "consolidate":
     out = fzero.consolidate(src)
     kept = sum(t.numel() * t.element_size() for t in {id(t): t for t in out.values()}.values())
+elif what == "load":  # N=2 -> 1 into a meta skeleton: the state is all it may hold
+    from checkpoint_bodies import Wide
+    from fzero.state import state_bytes
+    with torch.device("meta"):
+        skeleton = Wide()
+    (state,) = fzero.SimWorld(1).run(lambda comm, m: fzero.load(src, model=m, comm=comm),
+                                     skeleton)
+    kept = state_bytes(state)
 else:
     fzero.checkpoint.reshard(src, dst, world_size=3)
     kept = 0
@@ -419,10 +427,10 @@ print(json.dumps({"peak": _status_bytes("VmHWM") - base, "kept": kept}))
 
 
 @pytest.mark.slow
-def test_consolidate_and_reshard_memory_is_one_bucket_plus_the_output(tmp_path) -> None:
+def test_consolidate_reshard_and_load_memory_is_one_bucket_plus_the_output(tmp_path) -> None:
     """Measured peak RSS (a fresh process): consolidate holds its output plus at most one
-    bucket, reshard one bucket (its output is on disk); reading the whole checkpoint would
-    cost its size (96 MiB here) on top."""
+    bucket, reshard one bucket (its output is on disk), a resharding load its state plus one
+    bucket; reading the whole checkpoint would cost its size (96 MiB here) on top."""
     from checkpoint_bodies import Wide, init_save_body
 
     path = str(tmp_path / "c")
@@ -430,9 +438,9 @@ def test_consolidate_and_reshard_memory_is_one_bucket_plus_the_output(tmp_path) 
     manifest = read_manifest(path)
     bucket = max(b.padded_numel for b in manifest.layout.buckets) * 4  # 4 MiB
     assert manifest.nbytes > 24 * bucket
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), "tests"])}
     peaks = {}
-    for what in ("consolidate", "reshard"):
+    for what in ("consolidate", "reshard", "load"):
         done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, what, path,
                                str(tmp_path / what)], env=env, capture_output=True, text=True,
                               check=True)
@@ -441,6 +449,9 @@ def test_consolidate_and_reshard_memory_is_one_bucket_plus_the_output(tmp_path) 
     assert peaks["consolidate"]["kept"] == manifest.layout.numel * 4
     assert peaks["consolidate"]["peak"] <= peaks["consolidate"]["kept"] + bucket + slack, peaks
     assert peaks["reshard"]["peak"] <= bucket + slack, peaks
+    # Stage 3 at N=1 keeps parameters, gradients and two moments: 4 x 4 bytes per element.
+    assert peaks["load"]["kept"] == 4 * 4 * manifest.layout.numel
+    assert peaks["load"]["peak"] <= peaks["load"]["kept"] + bucket + slack, peaks
 
 
 # ----------------------------------------------------------------------------------------------
