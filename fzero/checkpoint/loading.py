@@ -202,7 +202,7 @@ def _layout(
     """The new layout, after checking that `model` is the saved model."""
     saved = manifest.layout
     mismatch = compare(saved, plan(model, world_size))
-    if mismatch.only_old or mismatch.only_new or mismatch.shapes:
+    if mismatch:
         raise CheckpointError(
             f"{os.path.join(path, 'manifest.json')} is a checkpoint of another model: "
             f"{_listing('parameters only in the checkpoint', mismatch.only_old)}"

@@ -33,6 +33,7 @@ __all__ = [
     "CheckpointError",
     "FileEntry",
     "Manifest",
+    "check_json",
     "latest",
     "read_manifest",
     "shard_name",

@@ -110,25 +110,19 @@ class Mismatch(NamedTuple):
     only_old: tuple[str, ...]
     only_new: tuple[str, ...]
     shapes: tuple[str, ...]  # "name: old shape vs new shape"
-    trainable: tuple[str, ...]  # names trainable in one layout, frozen in the other
 
     def __bool__(self) -> bool:
-        return bool(self.only_old or self.only_new or self.shapes or self.trainable)
+        return bool(self.only_old or self.only_new or self.shapes)
 
 
 def compare(old: ShardLayout, new: ShardLayout) -> Mismatch:
-    """Names only in one layout, shapes that differ, and trainability that differs."""
+    """Names only in one layout, and names whose shapes differ."""
     a, b = old.locate(), new.locate()
-    shapes, trainable = [], []
-    for name in a.keys() & b.keys():
-        (i, x), (j, y) = a[name], b[name]
-        if x.shape != y.shape:
-            shapes.append(f"{name}: {x.shape} vs {y.shape}")
-        elif old.buckets[i].trainable != new.buckets[j].trainable:
-            trainable.append(name)
+    shapes = [f"{name}: {a[name][1].shape} vs {b[name][1].shape}"
+              for name in a.keys() & b.keys() if a[name][1].shape != b[name][1].shape]
     return Mismatch(
         tuple(sorted(a.keys() - b.keys())), tuple(sorted(b.keys() - a.keys())),
-        tuple(sorted(shapes)), tuple(sorted(trainable)),
+        tuple(sorted(shapes)),
     )
 
 

@@ -36,7 +36,8 @@ from fzero.optim import Optimizer
 from fzero.state import LossScale, ShardConfig, ShardState
 
 __all__ = ["BUFFERS", "MASTER", "MOMENTS", "PARAMS", "Fill", "buffer_tensors", "build",
-           "describe", "describe_buffers", "file_specs", "key", "shard_tensors", "stored_kinds"]
+           "describe", "describe_buffers", "file_specs", "key", "shard_tensors", "stored_dtype",
+           "stored_kinds"]
 
 PARAMS = "params"
 MASTER = "master"
