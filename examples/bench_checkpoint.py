@@ -163,7 +163,7 @@ def worker(rank: int, world: int, framework: str, task: str, size: str, path: st
 
 
 def run(world: int, framework: str, task: str, size: str, path: str, tmp: str) -> dict:
-    rdzv = os.path.join(tmp, f"{framework}-{task}-{world}")
+    rdzv = tempfile.mktemp(prefix=f"{framework}-{task}-", dir=tmp)  # a file store used once
     mp.spawn(worker, args=(world, framework, task, size, path, rdzv), nprocs=world, join=True)
     with open(rdzv + ".json") as f:
         return json.load(f)
