@@ -7,8 +7,9 @@ parameter) is sharded over ``--nproc`` gloo ranks, by fzero at ZeRO stage 3 and 
 (`fully_shard` per block, then the root). For each, in fresh processes:
 
 - save:    every rank writes its shards (``fzero.save`` / ``dcp.save``; both fsync);
-- load:    the same ranks read them back into a freshly built sharded state;
-- reshard: one process reads the ``nproc``-rank checkpoint (a resharded load, N -> 1).
+- load:    the same ranks build a sharded state (from a ``meta`` model: no initial values) and
+           read the checkpoint into it;
+- reshard: the same load in one process, from the ``nproc``-rank checkpoint (N -> 1).
 
 Times are the slowest rank's, between barriers; GB/s is the state's bytes (all ranks) over the
 time. Each load is checked: the sum of every loaded value equals the saved one. Disk bytes are
@@ -66,10 +67,14 @@ def fzero_task(task: str, cfg, path: str, comm) -> dict:
         out["check_saved"] = fzero_sum(state)
         out["save"] = timed(lambda: fzero.save(state, path))
         del state
-    with torch.device("meta"):
-        skeleton = GPT(cfg, seed=0)  # a function only: no memory
     box = {}
-    out["load"] = timed(lambda: box.update(state=fzero.load(path, model=skeleton, comm=comm)))
+
+    def load():
+        with torch.device("meta"):
+            skeleton = GPT(cfg, seed=0)  # a function only: no memory
+        box["state"] = fzero.load(path, model=skeleton, comm=comm)
+
+    out["load"] = timed(load)
     out["check_loaded"] = fzero_sum(box["state"])
     return out
 
@@ -78,16 +83,21 @@ def fzero_task(task: str, cfg, path: str, comm) -> dict:
 # FSDP2 + torch.distributed.checkpoint (DCP)
 
 
-def dcp_state(cfg, world: int):
+def dcp_state(cfg, world: int, *, meta: bool = False):
+    """A sharded model and optimizer (state created), and the state dict DCP saves or loads;
+    `meta`: allocated without initial values (the way to build a state that a load fills)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = GPT(cfg, seed=0)
+    with torch.device("meta" if meta else "cpu"):
+        model = GPT(cfg, seed=0)
     mesh = init_device_mesh("cpu", (world,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if meta:
+        model.to_empty(device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
                             foreach=True)
     model_sd, optim_sd = get_state_dict(model, opt)  # creates the (lazy) optimizer state
@@ -113,15 +123,17 @@ def dcp_task(task: str, cfg, path: str, world: int) -> dict:
         out["check_saved"] = dcp_sum(model, opt)
         out["save"] = timed(lambda: dcp.save(state, checkpoint_id=path))
         del model, opt, state
-    model, opt, state = dcp_state(cfg, world)
+    box = {}
 
-    def load():
+    def load():  # as fzero.load: build the sharded state, then read the checkpoint into it
+        model, opt, state = dcp_state(cfg, world, meta=True)
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+        box.update(model=model, opt=opt)
 
     out["load"] = timed(load)
-    out["check_loaded"] = dcp_sum(model, opt)
+    out["check_loaded"] = dcp_sum(box["model"], box["opt"])
     return out
 
 

@@ -68,11 +68,14 @@ def describe(state: ShardState, *, optimizer_state: bool = True) -> dict[str, An
         if master is not None and not _same_storage(params, master)
     ]
     order = state.bucket_order
+    # The master dtype as stored (a config may leave it to be derived from the parameters).
+    master_dtype = next((m.dtype for m in state.master if m is not None),
+                        config.master_dtype or torch.float32)
     return {
         "stage": state.stage,
         "step": state.step,
         "param_dtype": None if config.param_dtype is None else _dtype_name(config.param_dtype),
-        "master_dtype": _dtype_name(config.master_dtype),
+        "master_dtype": _dtype_name(master_dtype),
         "reduce_dtype": None if config.reduce_dtype is None else _dtype_name(config.reduce_dtype),
         "optimizer": None if spec is None else spec.to_json(),
         "optimizer_state": optimizer_state,
