@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
@@ -525,6 +525,7 @@ def test_clip_coefficient_errors_and_nonfinite() -> None:
         lambda: optim.sgd(lr=0.5),
     ],
 )
+@settings(max_examples=20)  # the arithmetic is tested above; this checks the rebuild
 @given(problem=problems)
 def test_from_spec_rebuilds_the_same_optimizer(make, problem) -> None:
     import json
