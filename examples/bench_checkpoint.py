@@ -158,6 +158,8 @@ def worker(rank: int, world: int, framework: str, task: str, size: str, path: st
                             timeout=timedelta(seconds=600))
     try:
         cfg, _ = SIZES[size]
+        with torch.device("meta"):  # the first meta-device model imports a second of modules
+            GPT(cfg)
         if framework == "fzero":
             out = fzero_task(task, cfg, path, fzero.TorchComm())
         else:
