@@ -234,7 +234,8 @@ def main(argv=None) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for framework, row in rows.items():
         print(f"| {FRAMEWORKS[framework]} | {cell(row['save'])} | {cell(row['load'])} "
-              f"| {cell(row['reshard'])} | {row['disk']:,} | {row['disk'] / state_bytes:.3f} |")
+              f"| {cell(row['reshard'])} | {int(row['disk']):,} "
+              f"| {row['disk'] / state_bytes:.3f} |")
 
 
 if __name__ == "__main__":
