@@ -36,11 +36,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import SIZES  # noqa: E402
-from train_gpt import GPT, num_params  # noqa: E402
+from train_gpt import GPT, GPTConfig, num_params  # noqa: E402
 
 import fzero  # noqa: E402
 
+SIZES = {  # the models of bench_step.py (which imports DeepSpeed when it can: not here)
+    "small": GPTConfig(),
+    "30m": GPTConfig(seq_len=128, n_layer=10, n_head=8, d_model=512),
+    "300m": GPTConfig(seq_len=64, n_layer=24, n_head=16, d_model=1024),
+}
 LR, BETAS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 0.1
 FRAMEWORKS = {"fzero": "fzero stage 3", "dcp": "FSDP2 + DCP"}
 
@@ -157,7 +161,7 @@ def worker(rank: int, world: int, framework: str, task: str, size: str, path: st
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     try:
-        cfg, _ = SIZES[size]
+        cfg = SIZES[size]
         with torch.device("meta"):  # the first meta-device model imports a second of modules
             GPT(cfg)
         if framework == "fzero":
@@ -196,7 +200,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=1, help="turns per framework (medians)")
     args = ap.parse_args(argv)
     frameworks = args.frameworks.split(",")
-    cfg, _ = SIZES[args.size]
+    cfg = SIZES[args.size]
     psi = num_params(GPT(cfg))
     state_bytes = 12 * psi  # fp32 parameters + AdamW's two moments
     print(f"GPT {cfg.n_layer} layers x d {cfg.d_model}: Ψ = {psi:,}; state {state_bytes / 1e9:.3f} "
