@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 200   # 2 ranks
     python examples/train_gpt.py                                                 # 1 rank
     python examples/train_gpt.py --reference      # plain torch.optim.AdamW, one process
+    python examples/train_gpt.py --save-every 50 --resume ckpt   # restartable: rerun continues
 
 The default corpus needs no download: the Python standard library's own top-level ``.py``
 files (sorted, capped at 4 MiB), read as bytes, so the vocabulary is the 256 byte values.
@@ -15,11 +16,18 @@ step next to the ZeRO paper's formulas, and a sample of generated text.
 
 ``--reference`` trains the same model on the same global batches with torch.optim.AdamW in one
 process (no fzero, no process group): the baseline fzero's losses must match.
+
+``--save-every K --resume DIR`` saves a sharded checkpoint to ``DIR/step-NNNNNN`` every K steps
+(and at the end), and at start continues from the latest complete one in DIR if there is any:
+a job that is killed and restarted with the same command picks up where it stopped, on any
+number of ranks, and draws exactly the batches the uninterrupted run would have (the data
+generator's state is saved in the checkpoint too).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import glob
 import math
 import os
@@ -269,6 +277,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--clip-norm", type=float, default=1.0, help="0 disables clipping")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample-bytes", type=int, default=300, help="bytes to generate at the end")
+    ap.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
+    ap.add_argument(
+        "--resume",
+        metavar="DIR",
+        default=None,
+        help="checkpoint directory: continue from its latest checkpoint; --save-every saves here",
+    )
+    ap.add_argument(
+        "--stop-after",
+        type=int,
+        default=0,
+        help="stop after this many steps of this run (a job's time slice); rerun to continue",
+    )
     ap.add_argument(
         "--reference",
         action="store_true",
@@ -279,6 +300,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps < 1 or args.accum_steps < 1 or args.batch_size < 1:
         ap.error("--steps, --batch-size and --accum-steps must be >= 1")
     args.warmup_steps = min(args.warmup_steps, args.steps)
+    if args.save_every and not args.resume:
+        ap.error("--save-every needs --resume DIR: the directory checkpoints go to")
+    if args.reference and args.resume:
+        ap.error("--reference does not checkpoint; drop --resume")
     return args
 
 
@@ -343,21 +368,35 @@ def run(args: argparse.Namespace, comm) -> None:
             f"clip {clip_norm}, lr {args.lr:g} (cosine, warmup {args.warmup_steps})"
         )
 
+    done = 0  # steps taken so far, by this run and the runs it resumes
     if comm is None:
         state, step = reference_trainer(model, args, schedule, clip_norm)
     else:
+        # The schedule is a function, which no checkpoint can hold: a load gets the optimizer.
         optimizer = fzero.optim.adamw(lr=schedule, betas=(0.9, 0.95), weight_decay=0.1)
-        state = fzero.init(
-            model, stage=args.stage, optimizer=optimizer, comm=comm, param_dtype=param_dtype
-        )
+        latest = fzero.checkpoint.latest(args.resume) if args.resume else None
+        if latest is None:
+            state = fzero.init(
+                model, stage=args.stage, optimizer=optimizer, comm=comm, param_dtype=param_dtype
+            )
+        else:  # any world size: the checkpoint is resharded while it loads
+            state = fzero.load(latest, model=model, comm=comm, optimizer=optimizer,
+                               stage=args.stage, param_dtype=param_dtype)
+            extra = fzero.checkpoint.read_manifest(latest).extra
+            done = extra["steps_done"]
+            gen.set_state(torch.frombuffer(bytearray(base64.b64decode(extra["data_rng"])),
+                                           dtype=torch.uint8))
+            if master:
+                print(f"resume {latest}: {done} steps done")
         step = fzero.make_train_step(
             model, loss_fn, accum_steps=args.accum_steps, clip_norm=clip_norm
         )
 
     # loop -------------------------------------------------------------------
     losses, times = [], []
+    last = min(args.steps, done + args.stop_after) if args.stop_after else args.steps
     t_start = time.perf_counter()
-    for i in range(1, args.steps + 1):
+    for i in range(done + 1, last + 1):
         batch = get_batch(train_data, gen, args.batch_size, args.seq_len, rank, world)
         batch = tuple(t.to(device) for t in batch)
         t0 = time.perf_counter()
@@ -367,7 +406,16 @@ def run(args: argparse.Namespace, comm) -> None:
         losses.append(loss)
         if master:
             progress(i, args.steps, loss, tokens_per_step / times[-1])
+        if args.save_every and (i % args.save_every == 0 or i == last):
+            # A collective; it appears atomically once every rank has written its shards.
+            data_rng = base64.b64encode(gen.get_state().numpy().tobytes()).decode()
+            fzero.save(state, os.path.join(args.resume, f"step-{i:06d}"), overwrite=True,
+                       extra={"steps_done": i, "data_rng": data_rng})
     wall = time.perf_counter() - t_start
+    if not losses:
+        if master:
+            print(f"done   all {args.steps} steps were taken already")
+        return
 
     # evaluation and sample (full_params is a collective: every rank calls it) -----
     if comm is None:

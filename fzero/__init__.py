@@ -5,7 +5,8 @@ Pure core: `plan` (layout), `flatten` / `unflatten` / `shard` / `unshard` (flat 
 `TorchComm` / `SimWorld` (collectives).
 """
 
-from fzero import memory, optim
+from fzero import checkpoint, memory, optim
+from fzero.checkpoint import consolidate, load, save
 from fzero.collect import Collectives, EmulatedStreams, Pending, Streams, collectives
 from fzero.comm import CollectiveError, CollectiveTimeout, Comm, CommCounters, Work
 from fzero.consensus import StepError
@@ -25,42 +26,46 @@ from fzero.step import (
 from fzero.torchcomm import TorchComm
 
 __all__ = [
+    "Bucket",
     "CollectiveError",
     "CollectiveTimeout",
-    "EmulatedStreams",
-    "MicroBatches",
-    "OutsideOwnerError",
-    "StepError",
-    "clone_state",
-    "decay_matrices",
-    "Bucket",
     "Collectives",
-    "LossScale",
-    "Pending",
-    "ShardState",
-    "Streams",
     "Comm",
     "CommCounters",
+    "EmulatedStreams",
     "Entry",
+    "LossScale",
+    "MicroBatches",
+    "OutsideOwnerError",
+    "Pending",
     "ShardLayout",
+    "ShardState",
     "SimComm",
     "SimWorld",
     "SimWorldError",
+    "StepError",
+    "Streams",
     "TorchComm",
     "Work",
     "bucket_shards",
+    "checkpoint",
+    "clone_state",
     "collectives",
-    "full_params",
-    "init",
-    "make_eval_step",
-    "make_train_step",
+    "consolidate",
+    "decay_matrices",
     "destroy_distributed",
     "distributed",
     "flatten",
+    "full_params",
+    "init",
     "init_distributed",
+    "load",
+    "make_eval_step",
+    "make_train_step",
     "memory",
     "optim",
     "plan",
+    "save",
     "shard",
     "unflatten",
     "unshard",

@@ -27,8 +27,9 @@ biases and norm weights are not decayed, the same split torch users make with tw
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -38,6 +39,7 @@ __all__ = [
     "InitFn",
     "Moments",
     "Optimizer",
+    "OptimizerSpec",
     "Schedule",
     "UpdateFn",
     "adam",
@@ -45,6 +47,7 @@ __all__ = [
     "clip_coefficient",
     "constant_schedule",
     "cosine_schedule",
+    "from_spec",
     "sgd",
 ]
 
@@ -72,6 +75,52 @@ class UpdateFn(Protocol):
     ) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class OptimizerSpec:
+    """What built an optimizer: its constructor's name and hyperparameters (JSON-able).
+
+    Checkpoints record it so that `from_spec` can rebuild the same optimizer. A learning-rate
+    schedule is a function, which no file can hold: then ``schedule`` is True, ``lr`` is absent
+    from `hyperparameters`, and `from_spec` needs the schedule passed again.
+
+    Attributes:
+        name: the constructor in `fzero.optim`, e.g. ``"adamw"``.
+        hyperparameters: ``(name, value)`` pairs of its keyword arguments, in signature order.
+        schedule: whether ``lr`` was a schedule (a callable) rather than a number.
+    """
+
+    name: str
+    hyperparameters: tuple[tuple[str, Any], ...]
+    schedule: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict; `OptimizerSpec.from_json` is its inverse."""
+        return {
+            "name": self.name,
+            "hyperparameters": {k: list(v) if isinstance(v, tuple) else v
+                                for k, v in self.hyperparameters},
+            "schedule": self.schedule,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> OptimizerSpec:
+        """Parse `to_json`'s output (lists become tuples, as the constructors take them)."""
+        try:
+            name, hyper, schedule = doc["name"], doc["hyperparameters"], doc["schedule"]
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not an optimizer spec: {doc!r} ({error!r} missing)") from error
+        if not isinstance(name, str) or not isinstance(hyper, Mapping):
+            raise ValueError(f"not an optimizer spec: {doc!r}")
+        pairs = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in hyper.items())
+        return cls(name, pairs, bool(schedule))
+
+
+def _spec(name: str, lr: float | Schedule, **hyperparameters: Any) -> OptimizerSpec:
+    if callable(lr):
+        return OptimizerSpec(name, tuple(hyperparameters.items()), schedule=True)
+    return OptimizerSpec(name, (("lr", float(lr)), *hyperparameters.items()))
+
+
 class Optimizer(NamedTuple):
     """A functional optimizer: a pair of closures over its hyperparameters.
 
@@ -84,11 +133,14 @@ class Optimizer(NamedTuple):
             ranges (see the module docstring).
         lr: the learning-rate schedule ``step -> lr`` the constructor was given (a constant
             learning rate becomes a constant schedule); train steps report it.
+        spec: the constructor and hyperparameters that built it (None for a hand-made pair),
+            recorded by checkpoints; `from_spec` rebuilds the optimizer from it.
     """
 
     init: InitFn
     update: UpdateFn
     lr: Schedule
+    spec: OptimizerSpec | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,7 +379,9 @@ def _adam(
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(ps, exp_avgs, denom, step_size)
 
-    return Optimizer(_zeros_init(_ADAM_MOMENTS), update, schedule)
+    spec = _spec("adamw" if decoupled else "adam", lr, betas=(beta1, beta2), eps=eps,
+                 weight_decay=weight_decay)
+    return Optimizer(_zeros_init(_ADAM_MOMENTS), update, schedule, spec)
 
 
 def adamw(
@@ -456,7 +510,43 @@ def sgd(
                 direction = bufs
         torch._foreach_add_(ps, direction, alpha=-lr_t)
 
-    return Optimizer(_zeros_init(names), update, schedule)
+    spec = _spec("sgd", lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                 nesterov=nesterov)
+    return Optimizer(_zeros_init(names), update, schedule, spec)
+
+
+def from_spec(spec: OptimizerSpec, *, lr: float | Schedule | None = None) -> Optimizer:
+    """Rebuild the optimizer `spec` describes (``from_spec(opt.spec)`` acts as ``opt``).
+
+    Args:
+        spec: an `OptimizerSpec`, e.g. from a checkpoint's manifest.
+        lr: a learning rate or schedule replacing the recorded one; required when the
+            optimizer was built with a schedule (``spec.schedule``), which no spec can hold.
+
+    Returns:
+        The `Optimizer`.
+
+    Raises:
+        ValueError: `spec` names no `fzero.optim` constructor, or it needs `lr` and got none.
+        TypeError, ValueError: a recorded hyperparameter is out of range (as the constructor).
+    """
+    constructors: dict[str, Callable[..., Optimizer]] = {"adamw": adamw, "adam": adam, "sgd": sgd}
+    if not isinstance(spec, OptimizerSpec):
+        raise TypeError(f"spec must be an fzero.optim.OptimizerSpec, got {type(spec).__name__}")
+    if spec.name not in constructors:
+        raise ValueError(
+            f"optimizer spec names {spec.name!r}; fzero.optim can rebuild {sorted(constructors)}"
+        )
+    kwargs = dict(spec.hyperparameters)
+    if lr is not None:
+        kwargs["lr"] = lr
+    elif spec.schedule:
+        raise ValueError(
+            f"this {spec.name} optimizer was built with a learning-rate schedule (a function), "
+            f"which its spec cannot hold: pass lr=<the schedule> (or build the optimizer "
+            f"yourself)"
+        )
+    return constructors[spec.name](**kwargs)
 
 
 # --------------------------------------------------------------------------------------------

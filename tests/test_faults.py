@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import fault_bodies as fb
 import pytest
 import torch
 
 import fzero
 
+import fault_bodies as fb
 from dist_pool import WorkerError
 from models import MLP
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
@@ -510,3 +510,58 @@ def test_clip_coefficient_errors_and_nonfinite() -> None:
         optim.clip_coefficient(3.0, 1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_norm=-1.0"):
         optim.clip_coefficient(torch.tensor(3.0), -1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Specs: what checkpoints record, and rebuilding an optimizer from it
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optim.adamw(lr=3e-3, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.2),
+        lambda: optim.adam(lr=1e-2, weight_decay=0.05),
+        lambda: optim.sgd(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+        lambda: optim.sgd(lr=0.5),
+    ],
+)
+@settings(max_examples=20)  # the arithmetic is tested above; this checks the rebuild
+@given(problem=problems)
+def test_from_spec_rebuilds_the_same_optimizer(make, problem) -> None:
+    import json
+
+    opt = make()
+    doc = json.loads(json.dumps(opt.spec.to_json()))  # through real JSON text
+    spec = optim.OptimizerSpec.from_json(doc)
+    assert spec == opt.spec and not spec.schedule
+    rebuilt = optim.from_spec(spec)
+    assert rebuilt.spec == opt.spec
+    expected, expected_moments = run_fzero(opt, problem)
+    actual, actual_moments = run_fzero(rebuilt, problem)
+    assert_bitwise(actual, expected)
+    for name in expected_moments:
+        assert_bitwise(list(actual_moments[name]), list(expected_moments[name]))
+
+
+def test_spec_of_a_schedule_needs_the_schedule_again() -> None:
+    schedule = optim.cosine_schedule(1e-2, warmup_steps=2, total_steps=10)
+    opt = optim.adamw(lr=schedule, weight_decay=0.1)
+    assert opt.spec is not None and opt.spec.schedule
+    assert "lr" not in dict(opt.spec.hyperparameters)
+    with pytest.raises(ValueError, match="learning-rate schedule .* pass lr="):
+        optim.from_spec(opt.spec)
+    rebuilt = optim.from_spec(opt.spec, lr=schedule)
+    assert rebuilt.lr is schedule and rebuilt.spec == opt.spec
+    assert optim.from_spec(optim.adamw(lr=1e-3).spec, lr=5e-4).spec.hyperparameters[0] == (
+        "lr", 5e-4
+    )
+
+
+def test_from_spec_rejects_unknown_names_and_non_specs() -> None:
+    with pytest.raises(ValueError, match="'lion'; fzero.optim can rebuild"):
+        optim.from_spec(optim.OptimizerSpec("lion", ()))
+    with pytest.raises(TypeError, match="OptimizerSpec"):
+        optim.from_spec({"name": "adamw"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not an optimizer spec"):
+        optim.OptimizerSpec.from_json({"name": "adamw"})
+    assert optim.Optimizer(lambda p: {}, lambda *a, **k: None, lambda s: 0.1).spec is None

@@ -1,0 +1,141 @@
+"""Command line: ``python -m fzero.checkpoint {inspect,reshard,consolidate,export} ...``.
+
+    python -m fzero.checkpoint inspect ckpt/step-000100 --world-size 8 64
+    python -m fzero.checkpoint reshard ckpt/step-000100 ckpt/step-000100-n8 --world-size 8
+    python -m fzero.checkpoint consolidate ckpt/step-000100 model.safetensors --master
+    python -m fzero.checkpoint export ckpt/step-000100 hf_dir --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from fzero import memory
+from fzero.checkpoint.manifest import CheckpointError, Manifest, read_manifest
+from fzero.checkpoint.offline import DEFAULT_MAX_SHARD_SIZE, export, reshard, write_model
+
+__all__ = ["describe", "main"]
+
+
+def describe(path: str, manifest: Manifest, world_sizes: Sequence[int]) -> str:
+    """What `inspect` prints: the run, the files, the buckets and a memory table."""
+    state, layout = manifest.state, manifest.layout
+    optimizer = state["optimizer"]
+    if optimizer is None:
+        opt = "not recorded"
+    else:
+        hyper = ", ".join(f"{k}={v}" for k, v in optimizer["hyperparameters"].items())
+        schedule = ", lr=<schedule>" if optimizer["schedule"] else ""
+        opt = f"{optimizer['name']}({hyper}{schedule})"
+    stored = ("stored: " + ", ".join(state["moments"]) if state["optimizer_state"]
+              else "not stored (weights only)")
+    lines = [
+        f"checkpoint  {path}",
+        f"format      fzero.checkpoint v{manifest.version}, written by fzero "
+        f"{manifest.fzero_version}, torch {manifest.torch_version}",
+        f"run         step {manifest.step}, stage {manifest.stage}, world size "
+        f"{manifest.world_size}, param dtype {state['param_dtype'] or 'as the model'}, master "
+        f"{state['master_dtype']}, reduce {state['reduce_dtype'] or 'as params'}",
+        f"optimizer   {opt}; state {stored}",
+        f"loss scale  {state['loss_scale']}",
+        f"parameters  {layout.numel:,} stored ({layout.trainable_numel:,} trainable) in "
+        f"{len(layout.buckets)} buckets, padding {layout.padded_numel - layout.numel:,}",
+        f"buffers     {len(manifest.buffers)}: "
+        + ", ".join(f"{n} {d}{list(s)}" for n, (d, s) in list(manifest.buffers.items())[:6])
+        + (" ..." if len(manifest.buffers) > 6 else ""),
+        f"files       {len(manifest.files)}, {manifest.nbytes:,} bytes",
+    ]
+    for entry in manifest.files[:8]:
+        lines.append(f"  {entry.name}  {entry.bytes:>15,} B  crc32 {entry.crc32:#010x}")
+    if len(manifest.files) > 8:
+        lines.append(f"  ... {len(manifest.files) - 8} more")
+    if manifest.extra:
+        lines.append(f"extra       {sorted(manifest.extra)}")
+    lines.append("")
+    lines.append(f"{'bucket':>6}  {'label':<28} {'dtype':<9} {'train':<5} {'numel':>13} "
+                 f"{'padding':>7}  entries")
+    for index, bucket in enumerate(layout.buckets):
+        lines.append(
+            f"{index:>6}  {bucket.label[:28]:<28} {bucket.dtype:<9} "
+            f"{'yes' if bucket.trainable else 'no':<5} {bucket.numel:>13,} {bucket.padding:>7}  "
+            f"{len(bucket.entries)}"
+        )
+    lines.append("")
+    param_bytes = layout.buckets[0].torch_dtype.itemsize if layout.buckets else 4
+    master_bytes = getattr(torch, state["master_dtype"]).itemsize
+    separate = bool(state["master"]) or param_bytes != master_bytes
+    k = master_bytes * (len(state["moments"]) + int(separate))
+    grad_bytes = (getattr(torch, state["reduce_dtype"]).itemsize if state["reduce_dtype"]
+                  else param_bytes)
+    rows = memory.estimate_table(layout.trainable_numel, world_sizes, k=k,
+                                 param_bytes=param_bytes, grad_bytes=grad_bytes)
+    lines.append(memory.format_table(rows, num_params=layout.trainable_numel, k=k,
+                                     param_bytes=param_bytes, grad_bytes=grad_bytes))
+    return "\n".join(lines)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise argparse.ArgumentTypeError(f"not a floating torch dtype: {name!r}")
+    return dtype
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    ap = argparse.ArgumentParser(prog="python -m fzero.checkpoint",
+                                 description="Inspect and convert fzero checkpoints.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="print step, layout, sizes and a memory table")
+    p.add_argument("path")
+    p.add_argument("--world-size", type=int, nargs="+", default=None,
+                   help="world sizes for the memory table (default: 1, 2, 4, 8 and the saved)")
+    p = sub.add_parser("reshard", help="rewrite for another world size (and stage, buckets)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None)
+    p.add_argument("--bucket-cap", type=int, default=None,
+                   help="re-plan buckets under this size cap (elements)")
+    p = sub.add_parser("consolidate", help="every parameter and buffer in one safetensors file")
+    p.add_argument("src")
+    p.add_argument("out", help="the .safetensors file to write")
+    p.add_argument("--master", action="store_true", help="trainable parameters from the master "
+                   "copy (e.g. fp32)")
+    p.add_argument("--dtype", type=_dtype, default=None)
+    p = sub.add_parser("export", help="model.safetensors (sharded above a size) for HF / torch")
+    p.add_argument("src")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", type=_dtype, default=None)
+    p.add_argument("--max-shard-size", type=float, default=DEFAULT_MAX_SHARD_SIZE,
+                   help="bytes per file before splitting (default 5e9)")
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            manifest = read_manifest(args.path)
+            sizes = args.world_size or sorted({1, 2, 4, 8, manifest.world_size})
+            print(describe(args.path, manifest, sizes))
+        elif args.command == "reshard":
+            result = reshard(args.src, args.dst, world_size=args.world_size, stage=args.stage,
+                             buckets=args.bucket_cap, progress=True)
+            print(f"wrote {args.dst}: {len(result.files)} files, {result.nbytes:,} bytes")
+        elif args.command == "consolidate":
+            write_model(args.src, args.out, args.dtype, master=args.master, progress=True)
+            print(f"wrote {args.out}: {os.path.getsize(args.out):,} bytes")
+        else:
+            files = export(args.src, args.out_dir, args.dtype,
+                           max_shard_size=int(args.max_shard_size), progress=True)
+            print(f"wrote {len(files)} files to {args.out_dir}")
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

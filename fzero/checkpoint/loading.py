@@ -1,0 +1,318 @@
+"""`load`: a checkpoint back into a `ShardState`, at any world size, stage and bucket policy.
+
+Every check comes first (manifest, files, model, optimizer: `fzero.checkpoint.verify`), then
+the state is allocated as `fzero.init` lays it out for the new stage and filled straight from
+the files: each tensor gets exactly the element ranges it keeps, found by
+`fzero.checkpoint.mapping.reads` (the old layout's shards for the new layout's ranges), read
+directly into the state's memory. Nothing else is held: no full model, no whole bucket beyond
+the state's own buffers, and with an unchanged layout one read per stored shard.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fzero.checkpoint import record
+from fzero.checkpoint.files import ShardFile
+from fzero.checkpoint.manifest import CheckpointError, Manifest, read_manifest
+from fzero.checkpoint.mapping import compare, reads
+from fzero.checkpoint.verify import verify
+from fzero.comm import Comm, fingerprint_check
+from fzero.layout import ShardLayout, _parse_dtype, plan
+from fzero.optim import Optimizer, OptimizerSpec, from_spec
+from fzero.state import STAGES, ShardState
+
+__all__ = ["Reader", "load"]
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module | Mapping[str, Tensor],
+    comm: Comm,
+    optimizer: Optimizer | None = None,
+    stage: int | None = None,
+    buckets: Any = None,
+    trainable: Any = None,
+    param_dtype: torch.dtype | None = None,
+    master_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    weights_only: bool = False,
+    verify_checksums: bool = True,
+    restore_rng: bool = True,
+) -> ShardState:
+    """Load a checkpoint written by `fzero.save` into this rank's `ShardState` (a collective).
+
+    Same world size, stage and buckets: the state is bitwise the saved one, and training on
+    continues exactly as the uninterrupted run. Anything else is resharded while loading.
+
+    Args:
+        path: the checkpoint directory.
+        model: the module to train (any device, ``meta`` included: only its parameter names,
+            shapes and buffers are read), or a mapping of parameter names to tensors.
+        comm: this rank's communicator; every rank must call `load`.
+        optimizer: the optimizer; default: rebuilt from the manifest (required when the saved
+            one used a learning-rate schedule, which cannot be stored).
+        stage: ZeRO stage to continue with; default the saved one.
+        buckets: bucket policy as for `fzero.plan`; default the saved buckets.
+        trainable: which parameters train, as for `fzero.plan`; default as saved.
+        param_dtype, master_dtype, reduce_dtype: as for `fzero.init`; default as saved.
+        device: where the state lives; default the comm's device.
+        weights_only: start a fresh optimizer (zero moments, step 0) from the saved weights
+            (master copy where stored); required when the checkpoint has no optimizer state.
+        verify_checksums: read every file once (spread over the ranks) to check its CRC-32
+            before loading; headers and sizes are always checked.
+        restore_rng: at an unchanged world size, set this rank's RNG states (CPU, and CUDA on a
+            CUDA device) to those saved by the same rank.
+
+    Returns:
+        The state, with zero gradients.
+
+    Raises:
+        CheckpointError: naming the file and the problem, before any state is built: not a
+            checkpoint, a newer format version, a missing, truncated or corrupt shard file, a
+            checkpoint of another model (parameter names or shapes differ: listed), no
+            optimizer state without `weights_only`, or an optimizer whose moments differ.
+        ValueError: bad `stage`, or ranks disagree on the layout.
+    """
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    saved = manifest.state
+    stage = manifest.stage if stage is None else stage
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage=}")
+    if not saved["optimizer_state"] and not weights_only:
+        raise CheckpointError(
+            f"{path} holds no optimizer state (saved with optimizer_state=False): load it "
+            f"with weights_only=True to start a fresh optimizer from its weights"
+        )
+    param_dtype = _dtype(saved["param_dtype"]) if param_dtype is None else param_dtype
+    master_dtype = _dtype(saved["master_dtype"]) if master_dtype is None else master_dtype
+    reduce_dtype = _dtype(saved["reduce_dtype"]) if reduce_dtype is None else reduce_dtype
+    device = torch.device(device if device is not None else getattr(comm, "device", "cpu"))
+    layout = _layout(path, manifest, model, comm.world_size, buckets, trainable, param_dtype,
+                     weights_only)
+    optimizer = _optimizer(path, manifest, optimizer, weights_only)
+    buffer_names = _check_buffers(path, manifest, model)
+    fingerprint_check(comm, layout.fingerprint, "layout fingerprint (parameter names, shapes "
+                      "and dtypes)")
+    verify(path, manifest, comm, checksums=verify_checksums)
+
+    with Reader(path, manifest, layout) as reader:
+        state = record.build(
+            layout, stage, saved, reader.fill, comm=comm, optimizer=optimizer,
+            param_dtype=param_dtype, master_dtype=master_dtype, reduce_dtype=reduce_dtype,
+            device=device, buffers={name: reader.buffer for name in buffer_names},
+            same_buckets=[b.names for b in layout.buckets]
+            == [b.names for b in manifest.layout.buckets],
+            fresh_optimizer=weights_only,
+        )
+        if restore_rng and manifest.world_size == comm.world_size:
+            reader.restore_rng(comm.rank, device)
+    _check_finite(path, state, comm)
+    return state
+
+
+class Reader:
+    """Reads a checkpoint's stored values into tensors of a (possibly different) layout.
+
+    Shard files are opened on first use and closed with the reader.
+    """
+
+    def __init__(self, path: str, manifest: Manifest, layout: ShardLayout) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.layout = layout
+        self._located = manifest.layout.locate()
+        self._master = set(manifest.state["master"])
+        self._files: dict[int, ShardFile] = {}
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def file(self, rank: int) -> ShardFile:
+        """The shard file of saved rank `rank`."""
+        if rank not in self._files:
+            entry = self.manifest.files[rank]
+            self._files[rank] = ShardFile(os.path.join(self.path, entry.name))
+        return self._files[rank]
+
+    def fill(self, kind: str, bucket: int, out: Tensor, lo: int) -> None:
+        """``out[:] = `` elements ``[lo, lo + out.numel())`` of the new layout's bucket
+        `bucket`, of `kind` (see `fzero.checkpoint.record.Fill`); padding is zero."""
+        target = self.layout.buckets[bucket]
+        hi = lo + out.numel()
+        if hi > target.numel:  # the padding (past the last entry) is zero
+            out[max(0, target.numel - lo):].zero_()
+        for read in reads(self.manifest.layout, self.layout, bucket, lo, hi,
+                          located=self._located):
+            source = self._source(kind, read.bucket, out.dtype)
+            piece = out[read.at : read.at + read.stop - read.start]
+            self.file(read.rank).read_into(source, read.start, read.stop, piece)
+
+    def buffer(self, name: str) -> Tensor:
+        """A stored buffer (rank 0's file holds them)."""
+        return self.file(0).read(record.key(record.BUFFERS, name))
+
+    def restore_rng(self, rank: int, device: torch.device) -> None:
+        """Set this process's RNG states to those saved by rank `rank`."""
+        for name in self.manifest.files[rank].rng:
+            value = self.file(rank).read(name)
+            if name == "rng.cpu":
+                torch.set_rng_state(value)
+            elif name == "rng.cuda" and device.type == "cuda":
+                torch.cuda.set_rng_state(value, device)
+
+    def _source(self, kind: str, old_bucket: int, dtype: torch.dtype) -> str:
+        """The stored tensor that feeds `kind`: parameters of another dtype come from the
+        master copy when there is one (exact), a master copy from the parameters when the
+        parameters were the master copy."""
+        stored_params = self.manifest.layout.buckets[old_bucket].torch_dtype
+        has_master = old_bucket in self._master
+        if kind == record.PARAMS and (stored_params == dtype or not has_master):
+            return record.key(record.PARAMS, old_bucket)
+        if kind in (record.PARAMS, record.MASTER):
+            return record.key(record.MASTER if has_master else record.PARAMS, old_bucket)
+        return record.key(kind, old_bucket)
+
+
+def _check_finite(path: str, state: ShardState, comm: Comm) -> None:
+    """Every rank raises if any rank loaded a NaN or infinite parameter (caught here, before
+    training could spread it), naming the parameters this rank found."""
+    bad = []
+    for flat, bucket in zip(state.params, state.layout.buckets, strict=True):
+        if not flat.is_floating_point() or bool(torch.isfinite(flat).all()):
+            continue
+        lo = 0 if state.stage < 3 else bucket.shard_range(comm.rank)[0]
+        for entry in bucket.entries:
+            start, end = max(entry.offset - lo, 0), min(entry.end - lo, flat.numel())
+            if start < end and not bool(torch.isfinite(flat[start:end]).all()):
+                bad.append(entry.name)
+    flag = torch.tensor([float(bool(bad))], dtype=torch.float64,
+                        device=getattr(comm, "device", "cpu"))
+    comm.all_reduce(flag, op="max", label="of whether the loaded parameters are finite")
+    if flag.item():
+        raise CheckpointError(
+            f"{path}: loaded parameters hold NaN or infinite values "
+            f"({_short(bad) if bad else 'in the part another rank loaded'}); the checkpoint "
+            f"was saved from a diverged run or is damaged"
+        )
+
+
+# --- checks, all before any tensor is allocated ---------------------------------------------
+
+
+def _layout(
+    path: str,
+    manifest: Manifest,
+    model: nn.Module | Mapping[str, Tensor],
+    world_size: int,
+    buckets: Any,
+    trainable: Any,
+    param_dtype: torch.dtype | None,
+    weights_only: bool,
+) -> ShardLayout:
+    """The new layout, after checking that `model` is the saved model."""
+    saved = manifest.layout
+    mismatch = compare(saved, plan(model, world_size))
+    if mismatch:
+        raise CheckpointError(
+            f"{os.path.join(path, 'manifest.json')} is a checkpoint of another model: "
+            f"{_listing('parameters only in the checkpoint', mismatch.only_old)}"
+            f"{_listing('parameters only in the model', mismatch.only_new)}"
+            f"{_listing('shapes differ (checkpoint vs model)', mismatch.shapes)}"
+        )
+    flags = trainable
+    if flags is None:
+        flags = {name: saved.buckets[i].trainable for name, (i, _) in saved.locate().items()}
+    if buckets is None and trainable is None:
+        layout = saved.with_world_size(world_size)
+    else:
+        groups = [[e.name for e in b.entries] for b in saved.buckets] if buckets is None else (
+            buckets)
+        layout = plan(model, world_size, buckets=groups, trainable=flags)
+    if param_dtype is not None:
+        layout = layout.cast(param_dtype)
+    was = saved.locate()
+    unfrozen = sorted(name for name, (i, _) in layout.locate().items()
+                      if layout.buckets[i].trainable and not saved.buckets[was[name][0]].trainable)
+    if unfrozen and not weights_only:
+        raise CheckpointError(
+            f"{path}: parameters frozen when saved are trainable now and have no optimizer "
+            f"state: {_short(unfrozen)}; pass weights_only=True to start a fresh optimizer"
+        )
+    return layout
+
+
+def _optimizer(
+    path: str, manifest: Manifest, optimizer: Optimizer | None, weights_only: bool
+) -> Optimizer:
+    saved = manifest.state
+    if optimizer is None:
+        if saved["optimizer"] is None:
+            raise CheckpointError(
+                f"{path} records no optimizer (the state's optimizer was not built by "
+                f"fzero.optim): pass optimizer="
+            )
+        spec = OptimizerSpec.from_json(saved["optimizer"])
+        if spec.schedule:
+            raise CheckpointError(
+                f"{path} was trained with a learning-rate schedule ({spec.name}), which a "
+                f"checkpoint cannot store: pass the optimizer again, e.g. optimizer="
+                f"fzero.optim.{spec.name}(lr=<the schedule>, ...)"
+            )
+        optimizer = from_spec(spec)
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer must be an fzero.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    names = sorted(optimizer.init([]))
+    if not weights_only and names != saved["moments"]:
+        raise CheckpointError(
+            f"{path} holds optimizer moments {saved['moments']}, but the optimizer keeps "
+            f"{names}: pass the optimizer it was trained with (or weights_only=True)"
+        )
+    return optimizer
+
+
+def _check_buffers(
+    path: str, manifest: Manifest, model: nn.Module | Mapping[str, Tensor]
+) -> list[str]:
+    named = dict(model.named_buffers()) if isinstance(model, nn.Module) else {}
+    saved = manifest.buffers
+    only_saved = sorted(set(saved) - set(named))
+    only_model = sorted(set(named) - set(saved))
+    shapes = sorted(f"{n}: {list(saved[n][1])} vs {list(named[n].shape)}"
+                    for n in set(saved) & set(named) if tuple(named[n].shape) != saved[n][1])
+    if only_saved or only_model or shapes:
+        raise CheckpointError(
+            f"{os.path.join(path, 'manifest.json')} is a checkpoint of another model: "
+            f"{_listing('buffers only in the checkpoint', only_saved)}"
+            f"{_listing('buffers only in the model', only_model)}"
+            f"{_listing('buffer shapes differ (checkpoint vs model)', shapes)}"
+        )
+    return list(named)
+
+
+def _listing(what: str, names: tuple[str, ...] | list[str]) -> str:
+    return f"{what}: {_short(names)}; " if names else ""
+
+
+def _short(names: tuple[str, ...] | list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > limit else ''}]"
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else _parse_dtype(name)
+

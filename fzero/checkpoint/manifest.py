@@ -1,0 +1,236 @@
+"""The checkpoint manifest: one JSON file that says what every shard file holds (pure).
+
+A checkpoint is a directory::
+
+    step-000100/
+        manifest.json                      written last, by rank 0
+        shard-00000-of-00004.safetensors   rank 0's shards (and the buffers, once)
+        shard-00001-of-00004.safetensors
+        ...
+
+``manifest.json`` holds the format and its version, the fzero and torch versions that wrote
+it, the world size, the layout (buckets, entries, offsets, padding, aliases, frozen flags: the
+exact `ShardLayout` JSON), the state's static part (stage, step, dtypes, optimizer name and
+hyperparameters, loss scale, learned stage-3 bucket order: `fzero.checkpoint.record`), the
+buffers' dtypes and shapes, each file's size and CRC-32 and the names of the RNG states it
+holds, and the user's own JSON (``extra``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fzero.layout import ShardLayout
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "VERSION",
+    "CheckpointError",
+    "FileEntry",
+    "Manifest",
+    "check_json",
+    "latest",
+    "read_manifest",
+    "shard_name",
+]
+
+FORMAT = "fzero.checkpoint"
+VERSION = 1
+"""The format version this fzero writes and reads (it refuses newer ones)."""
+MANIFEST = "manifest.json"
+PARTIAL_SUFFIX = ".partial"
+"""A save in progress (or interrupted) writes into ``<path>.partial`` and renames it at the end."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read as asked: the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One shard file: its name in the directory, its rank, size, CRC-32 and RNG tensors."""
+
+    name: str
+    rank: int
+    bytes: int
+    crc32: int
+    rng: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed ``manifest.json`` (see the module docstring)."""
+
+    world_size: int
+    layout: ShardLayout
+    state: dict[str, Any]
+    buffers: dict[str, tuple[str, tuple[int, ...]]]
+    files: tuple[FileEntry, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+    fzero_version: str = "unknown"
+    torch_version: str = "unknown"
+    version: int = VERSION
+
+    @property
+    def stage(self) -> int:
+        """The stage the state was trained with (a load's default)."""
+        return self.state["stage"]
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken."""
+        return self.state["step"]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all shard files."""
+        return sum(f.bytes for f in self.files)
+
+    def to_json(self) -> str:
+        """The manifest's JSON text; `Manifest.from_json` is its inverse."""
+        doc = {
+            "format": FORMAT,
+            "version": self.version,
+            "fzero_version": self.fzero_version,
+            "torch_version": self.torch_version,
+            "world_size": self.world_size,
+            "state": self.state,
+            "layout": json.loads(self.layout.to_json(indent=None)),
+            "buffers": {n: {"dtype": d, "shape": list(s)} for n, (d, s) in self.buffers.items()},
+            "files": [
+                {"name": f.name, "rank": f.rank, "bytes": f.bytes, "crc32": f.crc32,
+                 "rng": list(f.rng)}
+                for f in self.files
+            ],
+            "extra": self.extra,
+        }
+        return json.dumps(doc, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = "manifest") -> Manifest:
+        """Parse a manifest; `where` (its path) goes into every error message.
+
+        Raises:
+            CheckpointError: not JSON, not an fzero checkpoint, a newer format version, or a
+                malformed field.
+        """
+        try:
+            doc = json.loads(text)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CheckpointError(f"{where} is not JSON ({error}): not an fzero checkpoint "
+                                  f"manifest, or a damaged one") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise CheckpointError(f"{where} is not an fzero checkpoint manifest (format {got!r}, "
+                                  f"expected {FORMAT!r})")
+        version = doc.get("version")
+        if not isinstance(version, int) or version > VERSION:
+            raise CheckpointError(
+                f"{where} has checkpoint format version {version!r}, newer than the version "
+                f"{VERSION} this fzero reads (it was written by fzero "
+                f"{doc.get('fzero_version', '?')}): upgrade fzero to load it"
+            )
+        try:
+            layout = ShardLayout.from_json(json.dumps(doc["layout"]))
+            files = tuple(
+                FileEntry(f["name"], int(f["rank"]), int(f["bytes"]), int(f["crc32"]),
+                          tuple(f.get("rng", ())))
+                for f in doc["files"]
+            )
+            buffers = {n: (b["dtype"], tuple(b["shape"])) for n, b in doc["buffers"].items()}
+            manifest = cls(
+                world_size=int(doc["world_size"]), layout=layout, state=dict(doc["state"]),
+                buffers=buffers, files=files, extra=dict(doc.get("extra") or {}),
+                fzero_version=str(doc.get("fzero_version", "unknown")),
+                torch_version=str(doc.get("torch_version", "unknown")), version=version,
+            )
+            for name in ("stage", "step", "master_dtype", "optimizer_state", "moments",
+                         "master", "loss_scale", "bucket_order"):
+                manifest.state[name]  # noqa: B018 (presence check)
+        except (KeyError, TypeError, ValueError) as error:
+            raise CheckpointError(
+                f"{where} is malformed: {type(error).__name__}: {error}"
+            ) from None
+        if layout.world_size != manifest.world_size or [f.rank for f in files] != list(
+            range(manifest.world_size)
+        ):
+            raise CheckpointError(
+                f"{where} is malformed: world size {manifest.world_size}, layout world size "
+                f"{layout.world_size}, files for ranks {[f.rank for f in files]}"
+            )
+        return manifest
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    """The file name of rank `rank`'s shards."""
+    return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and parse the manifest of the checkpoint directory `path`.
+
+    Raises:
+        CheckpointError: `path` does not exist, is not a directory, or holds no valid
+            fzero manifest (the message says what it looks like instead).
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        partial = os.path.exists(path + PARTIAL_SUFFIX)
+        hint = f" ({path}{PARTIAL_SUFFIX} exists: a save that did not finish)" if partial else ""
+        raise CheckpointError(f"no checkpoint at {path}: no such file or directory{hint}")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file, not an fzero checkpoint (a directory with "
+                              f"{MANIFEST})")
+    where = os.path.join(path, MANIFEST)
+    if not os.path.isfile(where):
+        names = sorted(os.listdir(path))
+        looks = ""
+        if ".metadata" in names:
+            looks = " (it has a .metadata file: a torch.distributed.checkpoint directory?)"
+        elif "model.safetensors" in names or "model.safetensors.index.json" in names:
+            looks = " (it has model.safetensors: an exported model, load it with from_pretrained " \
+                    "or load_state_dict)"
+        raise CheckpointError(f"{path} is not an fzero checkpoint: it has no {MANIFEST}{looks}")
+    with open(where, "rb") as f:
+        return Manifest.from_json(f.read(), where)
+
+
+def latest(root: str | os.PathLike[str]) -> str | None:
+    """The complete checkpoint under `root` with the highest step, or None if there is none.
+
+    Looks at `root`'s subdirectories that hold a readable manifest; interrupted saves
+    (``*.partial``) and unreadable checkpoints are skipped.
+    """
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return None
+    best: tuple[int, str] | None = None
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.endswith(PARTIAL_SUFFIX) or not os.path.isfile(os.path.join(path, MANIFEST)):
+            continue
+        try:
+            step = read_manifest(path).step
+        except CheckpointError:
+            continue
+        if best is None or step >= best[0]:
+            best = (step, path)
+    return None if best is None else best[1]
+
+
+def check_json(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`extra` as a plain dict, after checking it survives a JSON round trip."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a mapping of JSON values, got {type(extra).__name__}")
+    try:
+        return json.loads(json.dumps(dict(extra)))
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"extra must hold JSON values only (str, numbers, lists, dicts): "
+                        f"{error}") from None

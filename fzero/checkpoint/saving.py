@@ -1,0 +1,212 @@
+"""`save`: every rank writes its shards; the checkpoint appears only once all of them have.
+
+[Note: atomic save]
+All files go into ``<path>.partial``. Rank 0 creates that directory (removing the leftovers
+of an interrupted save), every rank writes its shard file there and reports its size and
+CRC-32 with one all-gather; only when every rank succeeded does rank 0 write the manifest and
+rename ``<path>.partial`` to ``<path>`` (with ``overwrite=True`` an existing ``<path>`` is
+renamed to ``<path>.old`` first and removed after). A crash before the rename leaves no
+``<path>`` at all, and any earlier checkpoint untouched; `fzero.checkpoint.latest` ignores
+``*.partial`` directories. Each decision that could go differently on different ranks (rank
+0's directory operations, a rank's write) is shared by a collective first, so that every rank
+raises the same error or none does. Ranks must share the filesystem (as
+``torch.distributed.checkpoint``'s file writer assumes).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fzero.checkpoint import record
+from fzero.checkpoint.files import TensorSpec, write_file
+from fzero.checkpoint.manifest import (
+    MANIFEST,
+    PARTIAL_SUFFIX,
+    CheckpointError,
+    FileEntry,
+    Manifest,
+    check_json,
+    shard_name,
+)
+from fzero.comm import Comm
+from fzero.state import ShardState
+
+__all__ = ["fzero_version", "save"]
+
+_OK, _EXISTS, _FAILED = 0, 1, 2  # rank 0's verdicts, broadcast
+
+
+def save(
+    state: ShardState,
+    path: str | os.PathLike[str],
+    *,
+    extra: Mapping[str, Any] | None = None,
+    optimizer_state: bool = True,
+    overwrite: bool = False,
+) -> None:
+    """Save a training state as a sharded checkpoint directory (a collective).
+
+    Each rank writes its shard of every parameter, master-copy and moment bucket, whatever its
+    stage kept whole (so every element is written once), plus its RNG states; rank 0 also
+    writes the buffers and the manifest. See the module's note: the checkpoint appears
+    atomically, once every rank has finished.
+
+    Args:
+        state: this rank's state; every rank of its comm must call `save`.
+        path: the checkpoint directory to create, e.g. ``"ckpt/step-000100"``.
+        extra: JSON data to keep in the manifest (e.g. a data sampler's position), read back
+            with ``fzero.checkpoint.read_manifest(path).extra``. Rank 0's is stored.
+        optimizer_state: store the master copy and optimizer moments (False: only the
+            parameters, which `load` accepts with ``weights_only=True``).
+        overwrite: replace an existing checkpoint at `path`.
+
+    Raises:
+        CheckpointError: `path` exists (without `overwrite`), or a rank failed to write (every
+            rank raises, naming the ranks; the partial directory is removed).
+        TypeError: `extra` is not JSON data.
+    """
+    if not isinstance(state, ShardState):
+        raise TypeError(f"save needs a ShardState (from fzero.init or fzero.load), got "
+                        f"{type(state).__name__}")
+    comm = state.config.comm
+    path = os.path.abspath(os.fspath(path))
+    partial = path + PARTIAL_SUFFIX
+    extra = check_json(extra)
+    described = record.describe(state, optimizer_state=optimizer_state)
+    buffers = record.describe_buffers(state)
+
+    # 1. rank 0 prepares the partial directory; everyone learns whether it could.
+    code, failure = _prepare(path, partial, overwrite) if comm.rank == 0 else (_OK, None)
+    code = _share(comm, code)
+    if code == _EXISTS:
+        raise CheckpointError(f"{path} exists: pass overwrite=True to replace it, or save to a "
+                              f"new path")
+    if code != _OK:
+        raise CheckpointError(failure or f"rank 0 could not create {partial}: see its error")
+
+    # 2. every rank writes its shard file.
+    tensors = record.shard_tensors(state, optimizer_state=optimizer_state)
+    if comm.rank == 0:
+        tensors += record.buffer_tensors(state)
+    rng = _rng_states(state.config.device)
+    specs = record.file_specs(state.layout, described, buffers, comm.rank)
+    specs += [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in rng]
+    name = shard_name(comm.rank, comm.world_size)
+    error: BaseException | None = None
+    try:
+        info = write_file(os.path.join(partial, name), specs, [t for _, t in tensors + rng])
+        report = [1, info.bytes, info.crc32]
+    except Exception as caught:  # shared below: the other ranks must not wait forever
+        error, report = caught, [0, 0, 0]
+    reports = _gather(comm, report)
+    failed = [rank for rank, (ok, _, _) in enumerate(reports) if not ok]
+    if failed:
+        if comm.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        message = f"saving {path} failed on ranks {failed}; nothing was written"
+        raise CheckpointError(message + (f": {error}" if error else "")) from error
+
+    # 3. rank 0 writes the manifest and renames the directory into place.
+    if comm.rank == 0:
+        manifest = Manifest(
+            world_size=comm.world_size,
+            layout=state.layout,
+            state=described,
+            buffers=buffers,
+            files=tuple(
+                FileEntry(shard_name(rank, comm.world_size), rank, size, crc,
+                          tuple(n for n, _ in rng))
+                for rank, (_, size, crc) in enumerate(reports)
+            ),
+            extra=extra,
+            fzero_version=fzero_version(),
+            torch_version=torch.__version__,
+        )
+        failure = _publish(manifest, path, partial)
+    if _share(comm, _OK if failure is None else _FAILED) != _OK:
+        raise CheckpointError(failure or f"rank 0 could not publish {path}: see its error")
+
+
+def fzero_version() -> str:
+    """The installed fzero's version ("unknown" when it runs from a source tree)."""
+    try:
+        return importlib_metadata.version("fzero")
+    except importlib_metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _prepare(path: str, partial: str, overwrite: bool) -> tuple[int, str | None]:
+    if os.path.exists(path) and not overwrite:
+        return _EXISTS, None
+    try:
+        shutil.rmtree(partial, ignore_errors=True)  # an interrupted save's leftovers
+        os.makedirs(partial)
+    except OSError as error:
+        return _FAILED, f"cannot create {partial}: {error}"
+    return _OK, None
+
+
+def _publish(manifest: Manifest, path: str, partial: str) -> str | None:
+    try:
+        with open(os.path.join(partial, MANIFEST), "w") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(partial)
+        if os.path.exists(path):
+            old = path + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+            os.rename(partial, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(partial, path)
+        _fsync_dir(os.path.dirname(path))
+    except OSError as error:
+        return f"cannot publish {path}: {error}"
+    return None
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # not supported (e.g. Windows): the rename is still atomic
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_states(device: torch.device) -> list[tuple[str, Tensor]]:
+    states = [("rng.cpu", torch.get_rng_state())]
+    if device.type == "cuda":
+        states.append(("rng.cuda", torch.cuda.get_rng_state(device)))
+    return states
+
+
+def _share(comm: Comm, code: int) -> int:
+    """Rank 0's code, on every rank."""
+    tensor = torch.tensor([code], dtype=torch.int64, device=_device(comm))
+    comm.broadcast(tensor, src=0)
+    return int(tensor.item())
+
+
+def _gather(comm: Comm, values: list[int]) -> list[tuple[int, ...]]:
+    """Every rank's `values` (a fixed-length list of ints), on every rank."""
+    mine = torch.tensor(values, dtype=torch.int64, device=_device(comm))
+    every = torch.empty(comm.world_size * len(values), dtype=torch.int64, device=_device(comm))
+    comm.all_gather(every, mine)
+    rows = every.view(comm.world_size, len(values)).tolist()
+    return [tuple(row) for row in rows]
+
+
+def _device(comm: Comm) -> torch.device:
+    return torch.device(getattr(comm, "device", "cpu"))
