@@ -89,11 +89,6 @@ def make_step(model: nn.Module, loss_fn, layout: fzero.ShardLayout, comm, optimi
 # Side by side with fzero.make_train_step
 
 
-def decay_matrices(name: str, shape: tuple[int, ...]) -> bool:
-    """GPT's rule: weight decay on matrices and embeddings, not on biases and norm weights."""
-    return len(shape) >= 2
-
-
 def compare(comm, model: nn.Module, loss_fn, batches: list[Any]) -> dict[str, Any]:
     """Train `model` with both steps on the same global batches; this rank's results.
 
@@ -102,11 +97,11 @@ def compare(comm, model: nn.Module, loss_fn, batches: list[Any]) -> dict[str, An
     optimizer = fzero.optim.adamw(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     layout = fzero.plan(model, comm.world_size)
     by_hand = init(model, layout, comm.rank, optimizer)
-    step_by_hand = make_step(model, loss_fn, layout, comm, optimizer, decay_matrices)
+    step_by_hand = make_step(model, loss_fn, layout, comm, optimizer, fzero.decay_matrices)
 
     state = fzero.init(model, stage=3, optimizer=optimizer, comm=comm,
                        master_dtype=torch.float64)
-    step = fzero.make_train_step(model, loss_fn, decay=decay_matrices)
+    step = fzero.make_train_step(model, loss_fn, decay=fzero.decay_matrices)
 
     hand_losses, fzero_losses = [], []
     for batch in batches:

@@ -111,11 +111,6 @@ def loss_fn(call, batch: tuple[Tensor]) -> Tensor:
     return call(input_ids=ids, labels=ids, use_cache=False).loss
 
 
-def decay_matrices(name: str, shape: tuple[int, ...]) -> bool:
-    """Weight decay on matrices and embeddings, not on biases and norm weights."""
-    return len(shape) >= 2
-
-
 def export_pretrained(state, model: nn.Module, tokenizer, out_dir: str, rank: int) -> None:
     """Write ``out_dir`` for ``from_pretrained``: the trained weights in a copy of `model`.
 
@@ -189,7 +184,7 @@ def train(comm, args: argparse.Namespace) -> dict:
     optimizer = fzero.optim.adamw(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     state = fzero.init(model, stage=args.stage, optimizer=optimizer, comm=comm,
                        param_dtype=getattr(torch, args.param_dtype))
-    step = fzero.make_train_step(model, loss_fn, clip_norm=1.0, decay=decay_matrices)
+    step = fzero.make_train_step(model, loss_fn, clip_norm=1.0, decay=fzero.decay_matrices)
     if rank == 0:
         total = sum(p.numel() for p in model.parameters())
         chosen = sum(p.numel() for n, p in model.named_parameters() if n in trainable)

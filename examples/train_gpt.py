@@ -388,8 +388,10 @@ def run(args: argparse.Namespace, comm) -> None:
                                            dtype=torch.uint8))
             if master:
                 print(f"resume {latest}: {done} steps done")
+        # GPT's weight-decay rule (matrices and embeddings only), as the reference's two groups.
         step = fzero.make_train_step(
-            model, loss_fn, accum_steps=args.accum_steps, clip_norm=clip_norm
+            model, loss_fn, accum_steps=args.accum_steps, clip_norm=clip_norm,
+            decay=fzero.decay_matrices,
         )
 
     # loop -------------------------------------------------------------------

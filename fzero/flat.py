@@ -32,6 +32,7 @@ from fzero.layout import Bucket, ShardLayout, _check_rank, flatten_names
 
 __all__ = [
     "alias_leaves",
+    "all_finite",
     "bucket_shards",
     "entry_views",
     "flatten",
@@ -163,6 +164,15 @@ def shard_view(flat: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
     """Rank `rank`'s ``(shard_numel,)`` slice of a bucket's padded flat buffer (a view)."""
     lo, hi = bucket.shard_range(rank)
     return flat[lo:hi]
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite (no NaN, no infinity), without a tensor-sized
+    temporary: NaN and infinities propagate into the minimum and maximum."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor.detach().reshape(-1))
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 def bucket_shards(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from fzero import memory
 from fzero.comm import Comm, fingerprint_check
-from fzero.flat import flatten, shard_view
+from fzero.flat import all_finite, flatten, shard_view
 from fzero.layout import Bucket, Entry, ShardLayout, plan
 from fzero.optim import Optimizer
 
@@ -164,10 +164,10 @@ def check_finite(flat: Tensor, bucket: Bucket) -> None:
         ValueError: naming every parameter with a non-finite value (a bad checkpoint or
             initializer): a NaN parameter would make every later step skip or spread.
     """
-    if not flat.is_floating_point() or bool(torch.isfinite(flat).all()):
+    if not flat.is_floating_point() or all_finite(flat):
         return
     bad = [entry.name for entry in bucket.entries
-           if not bool(torch.isfinite(flat[entry.offset : entry.end]).all())]
+           if not all_finite(flat[entry.offset : entry.end])]
     raise ValueError(
         f"parameters {bad} (bucket {bucket.label!r}) hold NaN or infinite values; fix the "
         f"initializer or the checkpoint they come from before training"

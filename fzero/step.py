@@ -46,7 +46,7 @@ from fzero.buckets import Completion, Reducer
 from fzero.collect import SideStreams, Streams, all_gather_bucket
 from fzero.comm import Comm
 from fzero.consensus import Header, StepError, agree_header, exchange_statistics
-from fzero.flat import alias_leaves, entry_views, shard_view, unflatten
+from fzero.flat import alias_leaves, all_finite, entry_views, shard_view, unflatten
 from fzero.optim import Schedule, clip_coefficient
 from fzero.residency import PeerFailed, Residency, trigger_modules
 from fzero.schedule import ABORTED, DONE, FAILED, BucketOrder, reduce_order
@@ -746,7 +746,7 @@ def _parameters_not_finite(state: ShardState) -> bool:
     floating = [p for p in state.params if p.is_floating_point() and p.numel()]
     if not floating:
         return False
-    return not all(bool(torch.isfinite(p).all()) for p in floating)
+    return not all(all_finite(p) for p in floating)
 
 
 def _nonfinite_parameters(state: ShardState) -> list[str]:
@@ -757,10 +757,10 @@ def _nonfinite_parameters(state: ShardState) -> list[str]:
             continue
         if state.stage < 3:
             views = zip(bucket.entries, entry_views(flat, bucket), strict=True)
-            names += [e.name for e, view in views if not bool(torch.isfinite(view).all())]
+            names += [e.name for e, view in views if not all_finite(view)]
         else:
             names += [seg.entry.name for seg in bucket.segments(state.rank)
-                      if not bool(torch.isfinite(flat[seg.shard_start : seg.shard_end]).all())]
+                      if not all_finite(flat[seg.shard_start : seg.shard_end])]
     return names
 
 

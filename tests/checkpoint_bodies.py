@@ -20,7 +20,7 @@ from fzero.comm import Comm
 from fzero.state import ShardState
 
 from models import split_batch
-from step_bodies import ADAMW, OptSpec, decay_all, make_optimizer
+from step_bodies import ADAMW, OptSpec, make_optimizer
 
 
 def _train(comm: Comm, model: nn.Module, state: ShardState, batches: Sequence[Any], start: int,
@@ -28,7 +28,7 @@ def _train(comm: Comm, model: nn.Module, state: ShardState, batches: Sequence[An
            loss_fn: Callable[..., Tensor] | None = None) -> tuple[ShardState, list[float]]:
     """`steps` steps from global step `start`; the losses."""
     step = fzero.make_train_step(runner if runner is not None else model,
-                                 loss_fn or type(model).loss_fn, decay=decay_all)
+                                 loss_fn or type(model).loss_fn)
     losses = []
     for i in range(start, start + steps):
         state, metrics = step(state, split_batch(batches[i % len(batches)], comm.rank,

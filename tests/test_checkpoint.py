@@ -16,13 +16,13 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import policies, trees
 
 import fzero
 from fzero.checkpoint import CheckpointError, read_manifest
 from fzero.checkpoint.files import ShardFile, TensorSpec, crc32, write_file
 from fzero.checkpoint.manifest import Manifest, latest
 from fzero.checkpoint.mapping import reads, regroup
+from fzero.testing import policies, trees
 
 from checkpoint_bodies import resume_body, run_body, train_save_body
 from models import MLP, FrozenMix, TinyGPT
@@ -445,7 +445,10 @@ def test_consolidate_reshard_and_load_memory_is_one_bucket_plus_the_output(tmp_p
                                str(tmp_path / what)], env=env, capture_output=True, text=True,
                               check=True)
         peaks[what] = json.loads(done.stdout)
-    slack = 8 << 20  # the interpreter's own allocations while working
+    # The interpreter's own allocations while working, and the C heap growing from small
+    # temporaries it does not return (measured 2-3 MiB for the finite check of the loaded
+    # parameters alone).
+    slack = 10 << 20
     assert peaks["consolidate"]["kept"] == manifest.layout.numel * 4
     assert peaks["consolidate"]["peak"] <= peaks["consolidate"]["kept"] + bucket + slack, peaks
     assert peaks["reshard"]["peak"] <= bucket + slack, peaks

@@ -23,6 +23,7 @@ from fzero.checkpoint.manifest import CheckpointError, Manifest, read_manifest
 from fzero.checkpoint.mapping import compare, reads
 from fzero.checkpoint.verify import verify
 from fzero.comm import Comm, fingerprint_check
+from fzero.flat import all_finite
 from fzero.layout import ShardLayout, _parse_dtype, plan
 from fzero.optim import Optimizer, OptimizerSpec, from_spec
 from fzero.state import STAGES, ShardState
@@ -192,12 +193,12 @@ def _check_finite(path: str, state: ShardState, comm: Comm) -> None:
     training could spread it), naming the parameters this rank found."""
     bad = []
     for flat, bucket in zip(state.params, state.layout.buckets, strict=True):
-        if not flat.is_floating_point() or bool(torch.isfinite(flat).all()):
+        if not flat.is_floating_point() or all_finite(flat):
             continue
         lo = 0 if state.stage < 3 else bucket.shard_range(comm.rank)[0]
         for entry in bucket.entries:
             start, end = max(entry.offset - lo, 0), min(entry.end - lo, flat.numel())
-            if start < end and not bool(torch.isfinite(flat[start:end]).all()):
+            if start < end and not all_finite(flat[start:end]):
                 bad.append(entry.name)
     flag = torch.tensor([float(bool(bad))], dtype=torch.float64,
                         device=getattr(comm, "device", "cpu"))
