@@ -42,14 +42,6 @@ def init_weights(module: nn.Module) -> None:
             nn.init.zeros_(p)
 
 
-def peak_rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=20)
@@ -84,7 +76,7 @@ def main() -> None:
                            init_fn=init_weights)
         if master:
             print(f"init   sharded, bucket by bucket: {time.perf_counter() - t0:.1f} s, peak "
-                  f"RSS {peak_rss() / GIB:.2f} GiB on rank 0")
+                  f"RSS {fzero.memory.peak_rss_bytes() / GIB:.2f} GiB on rank 0")
         step = fzero.make_train_step(model, loss_fn, clip_norm=1.0)
         gen = torch.Generator().manual_seed(comm.rank)
         x = torch.randint(0, cfg.vocab_size, (1, args.seq_len + 1), generator=gen)
@@ -96,8 +88,8 @@ def main() -> None:
                 print(f"step   {i}/{args.steps}: loss {metrics['loss']:.4f}, "
                       f"{time.perf_counter() - t0:.1f} s, gathered peak "
                       f"{metrics['gathered_bytes_peak'] / GIB:.2f} GiB")
-        row = torch.tensor([metrics["state_bytes"], metrics["state_bytes_theory"], peak_rss()],
-                           dtype=torch.float64)
+        row = torch.tensor([metrics["state_bytes"], metrics["state_bytes_theory"],
+                            fzero.memory.peak_rss_bytes()], dtype=torch.float64)
         rows = torch.empty(world * 3, dtype=torch.float64)
         comm.all_gather(rows, row)
         if master:

@@ -31,7 +31,6 @@ import base64
 import glob
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
+from tqdm import tqdm
 
 import fzero
 
@@ -220,17 +220,7 @@ def zero_theory(psi: int, world: int, stage: int, param_bytes: int, accum_steps:
 
 
 # -----------------------------------------------------------------------------
-# Helpers: progress line, sampling, memory accounting for the reference
-
-
-def progress(step: int, total: int, loss: float, tok_s: float, width: int = 24) -> None:
-    done = width * step // total
-    bar = "#" * done + "." * (width - done)
-    line = f"[{bar}] step {step:>5}/{total}  loss {loss:7.4f}  {tok_s:>9,.0f} tok/s"
-    if sys.stdout.isatty():
-        print("\r" + line, end="" if step < total else "\n", flush=True)
-    elif step == 1 or step % 10 == 0 or step == total:
-        print(line, flush=True)
+# Sampling
 
 
 @torch.no_grad()
@@ -247,16 +237,6 @@ def generate(call, prompt: str, n_new: int, seq_len: int, temperature: float, se
             nxt = torch.multinomial(probs, 1, generator=gen)  # (1, 1)
         idx = torch.cat([idx, nxt], dim=1)  # (1, T0 + i + 1)
     return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
-
-
-def tensor_bytes(tensors) -> int:
-    """Bytes of distinct storages among ``tensors`` (shared storage counted once)."""
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 # -----------------------------------------------------------------------------
@@ -398,6 +378,8 @@ def run(args: argparse.Namespace, comm) -> None:
     losses, times = [], []
     last = min(args.steps, done + args.stop_after) if args.stop_after else args.steps
     t_start = time.perf_counter()
+    bar = tqdm(total=args.steps, initial=done, disable=not master, unit="step",
+               mininterval=1.0, dynamic_ncols=True)
     for i in range(done + 1, last + 1):
         batch = get_batch(train_data, gen, args.batch_size, args.seq_len, rank, world)
         batch = tuple(t.to(device) for t in batch)
@@ -406,13 +388,15 @@ def run(args: argparse.Namespace, comm) -> None:
         loss = float(metrics["loss"])  # a host sync: the step is done
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-        if master:
-            progress(i, args.steps, loss, tokens_per_step / times[-1])
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / times[-1]:,.0f}",
+                        refresh=False)
+        bar.update()
         if args.save_every and (i % args.save_every == 0 or i == last):
             # A collective; it appears atomically once every rank has written its shards.
             data_rng = base64.b64encode(gen.get_state().numpy().tobytes()).decode()
             fzero.save(state, os.path.join(args.resume, f"step-{i:06d}"), overwrite=True,
                        extra={"steps_done": i, "data_rng": data_rng})
+    bar.close()
     wall = time.perf_counter() - t_start
     if not losses:
         if master:
@@ -527,7 +511,7 @@ def reference_trainer(model: nn.Module, args: argparse.Namespace, schedule, clip
             loss += part.item()
         grad_norm = nn.utils.clip_grad_norm_(params, clip_norm or math.inf)
         opt.step()
-        state_bytes = tensor_bytes(
+        state_bytes = fzero.memory.storage_bytes(
             list(model.parameters())
             + [p.grad for p in params]
             + [t for s in opt.state.values() for t in s.values() if t.dim() > 0]

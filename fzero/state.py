@@ -375,15 +375,9 @@ def init(
 
 def state_bytes(state: ShardState) -> int:
     """Model-state bytes this rank owns: params, grads, master and moments, each storage once."""
-    seen: dict[int, int] = {}
     tensors = [*state.params, *state.grads, *state.master]
     tensors += [t for values in state.moments.values() for t in values]
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-    return sum(seen.values())
+    return memory.storage_bytes(tensors)
 
 
 def state_bytes_theory(state: ShardState) -> float:

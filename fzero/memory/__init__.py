@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -37,6 +38,9 @@ __all__ = [
     "main",
     "measure",
     "parse_count",
+    "peak_rss_bytes",
+    "rss_bytes",
+    "storage_bytes",
 ]
 
 STAGES: tuple[int, ...] = (0, 1, 2, 3)
@@ -340,6 +344,37 @@ def measure(step: Callable[[Any, Any], tuple[Any, dict[str, Any]]], state: Any, 
         source=source,
     )
     return state, metrics, report
+
+
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages among `tensors` (None skipped; views of one storage, e.g.
+    tied weights or a master copy that is the parameters, counted once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now, in bytes (Linux; 0 where unavailable)."""
+    return _status_bytes("VmRSS")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux ``VmHWM``; elsewhere ``ru_maxrss``)."""
+    peak = _status_bytes("VmHWM")
+    if peak:
+        return peak
+    try:
+        import resource
+
+        scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    except ImportError:  # pragma: no cover - Windows
+        return 0
 
 
 def _status_bytes(field: str) -> int:
