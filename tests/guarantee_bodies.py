@@ -332,49 +332,62 @@ class PreHooked(nn.Module):
 
 
 class ReadsChild(nn.Module):
-    """``parent``'s forward reads ``parent.child.weight`` outside ``child`` (a matmul).
-    With `own`, the parent owns a parameter (``parent.scale``) of its own."""
+    """``parent``'s forward reads ``parent.child.weight`` outside ``child`` (a matmul), after
+    running ``parent.other`` or, with `read_first`, before any child module runs. With `own`,
+    the parent owns a parameter of its own (``parent.scale``)."""
 
-    def __init__(self, seed: int = 0, own: bool = False):
+    def __init__(self, seed: int = 0, own: bool = False, read_first: bool = False):
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.pre = nn.Linear(5, 5)
-            self.parent = _Parent(own)
+            self.parent = Parent(own, read_first)
         self.double()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.parent(torch.tanh(self.pre(x)))
 
 
-class _Parent(nn.Module):
-    def __init__(self, own: bool):
+class Parent(nn.Module):
+    """See `ReadsChild`."""
+
+    def __init__(self, own: bool, read_first: bool):
         super().__init__()
         self.child = nn.Linear(5, 5)
         self.other = nn.Linear(5, 5)
+        self.read_first = read_first
         if own:
             self.scale = nn.Parameter(torch.ones(5))
 
     def forward(self, h: Tensor) -> Tensor:
-        h = torch.tanh(self.other(h)) @ self.child.weight  # the child's weight, outside child
+        if self.read_first:  # the child's weight, outside child
+            h = torch.tanh(self.other(h @ self.child.weight))
+        else:
+            h = torch.tanh(self.other(h)) @ self.child.weight
         return h * self.scale if hasattr(self, "scale") else h
 
 
 class RootReadsChild(nn.Module):
-    """The root module's own forward reads ``child.weight`` (transposed, as F.linear would)."""
+    """The root module's own forward reads ``child.weight``: ``read`` is ``"matmul"`` (``h @
+    w``), ``"transpose"`` (``h @ w.T``, as F.linear reads it) or ``"elementwise"``."""
 
-    def __init__(self, seed: int = 0, transpose: bool = False):
+    def __init__(self, seed: int = 0, read: str = "matmul"):
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.child = nn.Linear(5, 5)
             self.other = nn.Linear(5, 5)
-        self.transpose = transpose
+        self.read = read
         self.double()
 
     def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.other(x))  # (B, 5)
         weight = self.child.weight
-        return torch.tanh(self.other(x)) @ (weight.T if self.transpose else weight)
+        if self.read == "matmul":
+            return h @ weight
+        if self.read == "transpose":
+            return h @ weight.T
+        return h * weight.sum()
 
 
 def each_parameter_alone(model: nn.Module) -> list[list[str]]:
