@@ -536,6 +536,16 @@ def train(
     }
 
 
+def evaluate(comm: Comm, model: nn.Module, loss_fn: LossFn, batch: Any, *, stage: int,
+             after_init: Callable[[nn.Module], nn.Module] | None = None) -> float:
+    """`fzero.make_eval_step` of `loss_fn` on this rank's rows of `batch`, right after init."""
+    state = fzero.init(model, stage=stage, optimizer=make_optimizer(("sgd", SGD)), comm=comm)
+    if after_init is not None:
+        model = after_init(model)
+    evaluate = fzero.make_eval_step(model, loss_fn)
+    return evaluate(state, rank_rows(batch, comm.rank, comm.world_size)).item()
+
+
 def outcome(exc: BaseException) -> dict[str, Any]:
     """What a test needs to know about an exception raised on a rank."""
     return {"type": type(exc).__name__, "message": str(exc), "ranks": getattr(exc, "ranks", None),
@@ -580,8 +590,9 @@ def train_through_failure(
 ) -> dict[str, Any]:
     """Train on every batch; at step i a rank in ``fail[i]`` gets its batch transformed by
     ``fail[i][rank]`` (a module-level function that makes its loss_fn raise, or its batch
-    malformed). A step that raises is recorded, with whether the state stayed bitwise the same,
-    and training continues from the same state."""
+    malformed). A step that raises is recorded, with whether the state stayed bitwise the same
+    and the bytes it sent on the main channel (gradients; stage-3 gathers have their own), and
+    training continues from the same state."""
     state = fzero.init(model, stage=stage, optimizer=make_optimizer(("adamw", ADAMW)), comm=comm,
                        buckets=buckets)
     step = fzero.make_train_step(model, loss_fn)
@@ -592,12 +603,12 @@ def train_through_failure(
         if spoil is not None:
             local = spoil(local)
         before = snapshot(state)
-        start = time.monotonic()
+        start, sent = time.monotonic(), comm.counters.total()
         try:
             state, metrics = step(state, local)
         except Exception as exc:  # every rank must get here at the same step
-            seconds = time.monotonic() - start
-            errors[index] = {**outcome(exc), "seconds": seconds,
+            seconds, moved = time.monotonic() - start, comm.counters.total() - sent
+            errors[index] = {**outcome(exc), "seconds": seconds, "moved": moved,
                              "unchanged": same_snapshot(before, snapshot(state))}
             continue
         losses.append(metrics["loss"])

@@ -138,6 +138,17 @@ def test_divergent_ranks_on_gloo_with_fine_buckets(gloo_pool: Any, world: int) -
         gb.assert_parity(out[0], expected("skip", world))
 
 
+@pytest.mark.parametrize("kind", ["skip", "twice", "order"])
+def test_stage3_eval_with_divergent_ranks(kind: str, short_patience: None) -> None:
+    """The eval step is a collective at stage 3 too; each rank gets its own path's loss."""
+    world, model = 3, gb.Routed().double()
+    for batch in batches(kind, world)[1:]:
+        losses = fzero.SimWorld(world).run(gb.evaluate, model, gb.routed_loss, batch, stage=3)
+        for rank, loss in enumerate(losses):
+            want = gb.routed_loss(model, gb.rank_rows(batch, rank, world)).item()
+            assert loss == pytest.approx(want, rel=0, abs=gb.F64_ATOL)
+
+
 # ----------------------------------------------------------------------------------------------
 # Parameters no rank used
 

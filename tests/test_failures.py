@@ -123,6 +123,7 @@ def test_different_number_of_micro_batches(stage: int, world: int) -> None:
         assert error["ranks"] == (BAD_RANK,)
         assert "micro batches" in error["message"] and "nothing was communicated" in (
             error["message"])
+        assert error["moved"] == 0
         assert f"2 on ranks [{BAD_RANK}]" in error["message"]
         gb.assert_parity(out, skipped_reference(world))
 

@@ -60,6 +60,16 @@ def test_meta_after_init_with_buffers_and_frozen_parameters(stage: int) -> None:
     gb.assert_parity(out[0], want)
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_meta_after_init_evaluates_exactly(stage: int) -> None:
+    model, batch = TinyGPT().double(), gb.gpt_batches(1)[0]
+    losses = fzero.SimWorld(2).run(gb.evaluate, model, gb.gpt_loss, batch, stage=stage,
+                                   after_init=gb.to_meta)
+    for rank, loss in enumerate(losses):
+        assert loss == pytest.approx(gb.gpt_loss(model, gb.rank_rows(batch, rank, 2)).item(),
+                                     rel=0, abs=gb.F64_ATOL)
+
+
 def test_meta_after_init_on_gloo(gloo_pool: Any) -> None:
     for stage in (1, 3):
         out = gloo_pool(2).run(gb.train, TinyGPT().double(), gb.gpt_loss,
