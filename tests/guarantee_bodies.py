@@ -172,6 +172,41 @@ def gpt_batches(count: int, rows: int = 12) -> list[tuple[Tensor, Tensor]]:
     return [TinyGPT.make_batch(seed, rows) for seed in range(count)]
 
 
+class InnerBlock(nn.Module):
+    """A block that checkpoints its own forward's body, which reads the block's own matrix
+    (``mix``) before calling its child ``fc``."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.mix = nn.Parameter(torch.eye(width) + 0.1 * torch.randn(width, width))
+        self.fc = nn.Linear(width, width)
+
+    def body(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.fc(x @ self.mix))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return checkpoint(self.body, x, use_reentrant=False)
+
+
+class InnerCheckpointed(nn.Module):
+    """Three `InnerBlock`s between two Linear layers."""
+
+    def __init__(self, seed: int = 0, width: int = 6):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.inp = nn.Linear(5, width)
+            self.blocks = nn.ModuleList(InnerBlock(width) for _ in range(3))
+            self.out = nn.Linear(width, 3)
+        self.double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
 class SharedInRegions(nn.Module):
     """`shared` runs in two regions checkpointed with ``use_reentrant=True`` when the batch's
     flag says so (each rank's own rows decide), plainly otherwise."""

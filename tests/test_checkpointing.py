@@ -120,6 +120,31 @@ def test_stage3_recomputation_keeps_the_gathered_bound(mode: str, world: int) ->
         assert gathered >= plain["metrics"][0]["comm_bytes_by_kind"]["all_gather"] - largest
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "stage 3 gathers a bucket for recomputation from the pre-hooks of the modules that own its "
+    "parameters; a module that checkpoints its own forward's body (checkpoint(self.inner, x), "
+    "as transformers 5's GradientCheckpointingLayer does with `forward` so that hooks stay "
+    "outside) reads its *own* parameters during recomputation without its pre-hook running "
+    "again: a bucket released since raises torch's 'data is not allocated yet' in backward (a "
+    "matmul read, as here) or crashes the process with SIGSEGV (an elementwise read such as "
+    "x * self.gain; transformers has 12 such layers, e.g. Data2VecVisionLayer's layer scale, "
+    "DogeDecoderLayer)"))
+def test_stage3_checkpointed_body_reading_its_modules_own_parameter() -> None:
+    model = gb.InnerCheckpointed()
+    data = gb.mse_batches(STEPS, d_in=5, d_out=3)
+    out = fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, data, stage=3)
+    gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, data))
+
+
+def test_checkpointed_body_reading_its_modules_own_parameter_below_stage3() -> None:
+    model = gb.InnerCheckpointed()
+    data = gb.mse_batches(STEPS, d_in=5, d_out=3)
+    want = gb.reference(model, gb.mse_loss, data)
+    for stage in (0, 1, 2):
+        gb.assert_parity(fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, data,
+                                               stage=stage)[0], want)
+
+
 # ----------------------------------------------------------------------------------------------
 # A parameter in two reentrant regions: exact when its bucket completes once, else an error
 
@@ -151,8 +176,9 @@ def test_two_reentrant_regions_raise_naming_the_parameter(stage: int) -> None:
 def test_reentrant_regions_on_one_rank_raise_on_every_rank(stage: int) -> None:
     model, alone = shared_model_and_buckets()
     batches = gb.regions_batches(1, world=3, reentrant_ranks=[1])
-    outs = fzero.SimWorld(3).run(gb.train_through_failure, model, gb.regions_loss, batches,
-                                 stage=stage, fail={}, buckets=alone)
+    outs = fzero.SimWorld(3, timeout=3).run(  # a rank left waiting fails fast
+        gb.train_through_failure, model, gb.regions_loss, batches, stage=stage, fail={},
+        buckets=alone)
     own = outs[1]["errors"][0]
     assert own["type"] == "RuntimeError" and "'shared." in own["message"]
     for rank in (0, 2):
@@ -183,8 +209,11 @@ def test_reentrant_regions_in_one_bucket_are_exact(stage: int) -> None:
 
 transformers = pytest.importorskip("transformers")
 
-HF_MODELS = {"gpt2": (gb.hf_gpt2, "transformer.h.0"), "gpt-neox": (gb.hf_neox,
-                                                                   "gpt_neox.layers.0")}
+HF_MODELS = {"gpt2": (gb.hf_gpt2, "transformer.h.0.attn.c_attn"),
+             "gpt-neox": (gb.hf_neox, "gpt_neox.layers.0.attention.query_key_value")}
+"""Each model's builder, and a module inside its first layer whose calls are counted:
+transformers 5 checkpoints a layer's `forward`, not its `__call__` (so that hooks on the layer
+itself run once), and the modules inside run again in recomputation."""
 
 
 @functools.cache
@@ -217,7 +246,7 @@ def test_hf_gradient_checkpointing_enable_is_exact(stage: int) -> None:
     with pytest.warns(FutureWarning, match="gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
     out = fzero.SimWorld(2).run(gb.train, model, gb.hf_loss, gb.hf_batches(STEPS), stage=stage,
-                                opt=("sgd", gb.SGD), count_calls="transformer.h.1")
+                                opt=("sgd", gb.SGD), count_calls="transformer.h.1.attn.c_attn")
     gb.assert_parity(out[0], hf_reference("gpt2"))
     assert out[0]["calls"] == 2 * STEPS
 
@@ -236,9 +265,9 @@ def test_hf_checkpointing_on_gloo(gloo_pool: Any, world: int) -> None:
 
 
 def test_hf_references_train() -> None:
-    """The HF references move every block's parameters (the comparisons above are not of
-    untouched weights)."""
+    """The HF references move every parameter by far more than the 1e-12 tolerance (the
+    comparisons above are not of untouched weights)."""
     for name, (build, _) in HF_MODELS.items():
         start = {n: p.detach() for n, p in build().named_parameters()}
         moved = {n: float((hf_reference(name).params[n] - v).abs().max()) for n, v in start.items()}
-        assert min(v for n, v in moved.items() if ".0." in n and "weight" in n) > 1e-4, name
+        assert min(moved.values()) > 1e-5, name
