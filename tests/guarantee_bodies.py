@@ -127,9 +127,11 @@ def max_difference(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
 def assert_parity(got: dict[str, Any], want: Reference, atol: float = F64_ATOL) -> None:
     """A body's ``losses`` and ``params`` equal the reference's within `atol`."""
     torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
-                               torch.tensor(want.losses, dtype=torch.float64), rtol=0, atol=atol)
+                               torch.tensor(want.losses, dtype=torch.float64), rtol=0, atol=atol,
+                               msg=lambda text: f"losses: {text}")
     for name, value in want.params.items():
-        torch.testing.assert_close(got["params"][name], value, rtol=0, atol=atol, msg=name)
+        torch.testing.assert_close(got["params"][name], value, rtol=0, atol=atol,
+                                   msg=lambda text, name=name: f"{name}: {text}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -737,7 +739,7 @@ def donation_body(comm: Comm, model: nn.Module, batches: Sequence[Any], *, stage
     local = [rank_rows(b, comm.rank, comm.world_size) for b in batches]
     kept = fzero.clone_state(state)
     kept_values = snapshot(kept)
-    shared = _storage_sharing(state), _storage_sharing(kept)
+    shared = storage_sharing(state), storage_sharing(kept)
     state1, _ = step(state, local[0])
     errors = {}
     for what, use in (("step", lambda: step(state, local[1])),
@@ -766,7 +768,7 @@ def donation_body(comm: Comm, model: nn.Module, batches: Sequence[Any], *, stage
     }
 
 
-def _storage_sharing(state: fzero.ShardState) -> list[bool]:
+def storage_sharing(state: fzero.ShardState) -> list[bool]:
     """Per trainable bucket: whether the master copy shares the parameters' storage."""
     return [
         master.untyped_storage().data_ptr() == params.untyped_storage().data_ptr()

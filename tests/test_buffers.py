@@ -6,6 +6,7 @@ same default process group, different rows on every rank."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -61,8 +62,6 @@ def test_broadcast_and_local_differ() -> None:
 def test_local_buffers_are_each_ranks_own() -> None:
     """With "local", rank r's statistics are those of a model that saw only rank r's rows, its
     parameters following the training (recomputed here in one process, without DDP)."""
-    import copy
-
     world = 2
     batches = data(world)
     out = fzero.SimWorld(world).run(gb.train, gb.BatchNormNet(), gb.mse_loss, batches, stage=3,

@@ -42,7 +42,7 @@ def test_clone_keeps_separate_master_copies_separate(stage: int) -> None:
                                 optimizer=fzero.optim.adamw(), param_dtype=torch.bfloat16))[0]
     kept = fzero.clone_state(state)
     for s in (state, kept):
-        assert not any(gb._storage_sharing(s))
+        assert not any(gb.storage_sharing(s))
     for a, b in zip(state.master, kept.master, strict=True):
         assert torch.equal(a, b) and a.untyped_storage().data_ptr() != (
             b.untyped_storage().data_ptr())
