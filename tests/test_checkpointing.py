@@ -176,7 +176,7 @@ def test_two_reentrant_regions_raise_naming_the_parameter(stage: int) -> None:
 def test_reentrant_regions_on_one_rank_raise_on_every_rank(stage: int) -> None:
     model, alone = shared_model_and_buckets()
     batches = gb.regions_batches(1, world=3, reentrant_ranks=[1])
-    outs = fzero.SimWorld(3, timeout=3).run(  # a rank left waiting fails fast
+    outs = fzero.SimWorld(3, timeout=5).run(  # a rank left waiting fails fast
         gb.train_through_failure, model, gb.regions_loss, batches, stage=stage, fail={},
         buckets=alone)
     own = outs[1]["errors"][0]

@@ -52,7 +52,7 @@ def test_high_signature_bits_are_compared() -> None:
     "ValueError on an empty buffer: a rank that did not fail (failed=None) raises instead of "
     "taking part in the text exchange"))
 def test_statistics_carry_a_failed_ranks_message_to_every_rank() -> None:
-    stats = fzero.SimWorld(3, timeout=3).run(statistics_body, signatures={}, used={},
+    stats = fzero.SimWorld(3, timeout=5).run(statistics_body, signatures={}, used={},
                                              failed={1: "Boom: ünïcode text"})
     for s in stats:
         assert s.failed == (1,) and s.messages == {1: "Boom: ünïcode text"}

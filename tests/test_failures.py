@@ -24,7 +24,7 @@ import guarantee_bodies as gb
 STAGES = (0, 1, 2, 3)
 FULL = [0, 1, 2, -1]  # the free last slot lets `failing_backward` add a raising node
 STEPS, BAD_STEP, BAD_RANK = 4, 1, 1
-SECONDS = 3.0
+SECONDS = 5.0
 """Every rank raises well within this. The SimWorld runs here time collectives out after it
 too (instead of 30 s), so that a rank left waiting fails the test quickly."""
 
