@@ -1,0 +1,91 @@
+"""Buffers follow DDP: ``buffers="broadcast"`` (the default) is
+``DistributedDataParallel(broadcast_buffers=True)`` (rank 0's buffers, e.g. BatchNorm's running
+statistics, are copied to every rank before each forward), ``buffers="local"`` is
+``broadcast_buffers=False`` (each rank keeps its own). Checked in gloo workers, DDP built on the
+same default process group, different rows on every rank."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import fzero
+
+import guarantee_bodies as gb
+
+STEPS = 4
+
+
+def data(world: int) -> list[Any]:
+    return gb.mse_batches(STEPS, rows=4 * world, d_in=5, d_out=3)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("buffers", ["broadcast", "local"])
+def test_buffers_match_ddp(gloo_pool: Any, buffers: str, world: int) -> None:
+    for stage in (0, 3):
+        outs = gloo_pool(world).run(gb.ddp_buffers_body, gb.BatchNormNet(), data(world),
+                                    stage=stage, buffers=buffers)
+        for out in outs:
+            ours, ddp = out["ours"], out["ddp"]
+            for name, value in ddp["params"].items():
+                torch.testing.assert_close(ours["params"][name], value, rtol=0,
+                                           atol=gb.F64_ATOL, msg=name)
+            assert ours["buffers"].keys() == ddp["buffers"].keys()
+            for name, value in ddp["buffers"].items():
+                torch.testing.assert_close(ours["buffers"][name], value, rtol=0,
+                                           atol=gb.F64_ATOL, msg=name)
+        assert outs[0]["ours"]["buffers"]["bn.num_batches_tracked"] == STEPS
+        means = [out["ours"]["buffers"]["bn.running_mean"] for out in outs]
+        assert not torch.equal(means[0], means[1])  # each rank's last update is its own
+
+
+def test_broadcast_and_local_differ() -> None:
+    """The two policies give different statistics (so the comparisons above tell them apart),
+    and the same parameters (training-mode BatchNorm normalizes with batch statistics)."""
+    outs = {
+        policy: fzero.SimWorld(2).run(gb.train, gb.BatchNormNet(), gb.mse_loss, data(2),
+                                      stage=1, opt=("sgd", gb.SGD),
+                                      step_kwargs={"buffers": policy})
+        for policy in ("broadcast", "local")
+    }
+    for rank in (0, 1):
+        a, b = (outs[p][rank] for p in ("broadcast", "local"))
+        gb.assert_parity(a, gb.Reference(b["losses"], b["params"]))
+    assert not torch.equal(outs["broadcast"][1]["buffers"]["bn.running_mean"],
+                           outs["local"][1]["buffers"]["bn.running_mean"])
+
+
+def test_local_buffers_are_each_ranks_own() -> None:
+    """With "local", rank r's statistics are those of a model that saw only rank r's rows, its
+    parameters following the training (recomputed here in one process, without DDP)."""
+    world = 2
+    batches = data(world)
+    out = fzero.SimWorld(world).run(gb.train, gb.BatchNormNet(), gb.mse_loss, batches, stage=3,
+                                    opt=("sgd", gb.SGD), step_kwargs={"buffers": "local"})
+    model = gb.BatchNormNet()
+    opt = gb.torch_sgd(list(model.parameters()))
+    shadows = [copy.deepcopy(model) for _ in range(world)]  # rank r's buffers live here
+    for batch in batches:
+        for rank, shadow in enumerate(shadows):
+            with torch.no_grad():
+                for mine, trained in zip(shadow.parameters(), model.parameters(), strict=True):
+                    mine.copy_(trained)
+                shadow(gb.rank_rows(batch, rank, world)[0])  # updates its running statistics
+        opt.zero_grad(set_to_none=True)
+        # Each rank normalizes with its own rows' batch statistics (the buffers do not matter).
+        losses = [gb.mse_loss(model, gb.rank_rows(batch, rank, world)) for rank in range(world)]
+        (sum(losses) / world).backward()
+        opt.step()
+    for rank, shadow in enumerate(shadows):
+        for name, value in shadow.named_buffers():
+            torch.testing.assert_close(out[rank]["buffers"][name], value, rtol=0,
+                                       atol=gb.F64_ATOL, msg=name)
+
+
+def test_buffers_policy_is_validated() -> None:
+    with pytest.raises(ValueError, match="buffers must be one of"):
+        fzero.make_train_step(gb.BatchNormNet(), gb.mse_loss, buffers="sync")

@@ -1,0 +1,273 @@
+"""Activation checkpointing is exact at every stage (fzero.bound: the state's tensors stay bound
+through backward, so recomputation reads them; stage 3 gathers them again for it).
+
+References: the same model *without* checkpointing, trained by single-process torch.optim on
+the global batch, in float64 (held to 1e-12). `test_stale_recomputation_is_visible` shows that
+the reference tells the old, wrong path (recomputation after `functional_call` returned) apart.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch.func import functional_call
+
+import fzero
+from fzero.buckets import LATE_GRADIENT_HELP
+from fzero.comm import ring_bytes
+
+import guarantee_bodies as gb
+
+STAGES = (0, 1, 2, 3)
+STEPS = 3
+CHECKPOINTED = ("nonreentrant", "reentrant", "sequential")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def gpt_reference(n_layer: int = 2) -> gb.Reference:
+    model = gb.CheckpointedGPT(mode="none", n_layer=n_layer).double()
+    return gb.reference(model, gb.gpt_loss, gb.gpt_batches(STEPS))
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.utils.checkpoint
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("mode", CHECKPOINTED)
+def test_checkpointed_gpt_is_exact(mode: str, stage: int, world: int) -> None:
+    model = gb.CheckpointedGPT(mode=mode).double()
+    out = fzero.SimWorld(world).run(gb.train, model, gb.gpt_loss, gb.gpt_batches(STEPS),
+                                    stage=stage, count_calls="blocks.0")
+    gb.assert_parity(out[0], gpt_reference())
+    for other in out[1:]:
+        assert other["losses"] == out[0]["losses"]
+    assert out[0]["calls"] == 2 * STEPS  # forward and recomputation: checkpointing is on
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+def test_stale_recomputation_is_visible(mode: str) -> None:
+    """The wrong path the reference must catch: `functional_call` returns before backward, so
+    recomputation reads the module's own tensors instead of the bound ones."""
+    model = gb.CheckpointedGPT(mode=mode).double()
+    plain = gb.CheckpointedGPT(mode="none").double()
+    gen = torch.Generator().manual_seed(0)
+    bound = {n: (p.detach() + 0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+             .requires_grad_() for n, p in model.named_parameters()}
+    batch = gb.gpt_batches(1)[0]
+
+    def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        for p in bound.values():
+            p.grad = None
+        loss = gb.gpt_loss(lambda *a: functional_call(module, bound, a), batch)
+        loss.backward()
+        return {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in bound.items()}
+
+    wrong, right = grads(model), grads(plain)
+    assert gb.max_difference(wrong, right) > 1e-3
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+def test_checkpointed_gpt_on_gloo(gloo_pool: Any, mode: str, world: int) -> None:
+    model = gb.CheckpointedGPT(mode=mode).double()
+    for stage in STAGES:
+        out = gloo_pool(world).run(gb.train, model, gb.gpt_loss, gb.gpt_batches(STEPS),
+                                   stage=stage)
+        gb.assert_parity(out[0], gpt_reference())
+        assert all(o["losses"] == out[0]["losses"] for o in out)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", CHECKPOINTED)
+def test_stage3_recomputation_keeps_the_gathered_bound(mode: str, world: int) -> None:
+    """Four blocks, 200-element buckets (many per block): recomputation gathers one block's
+    buckets again and holds them until their gradients are complete, never the whole model;
+    it adds no second full gather (comm_bytes counts what it gathers)."""
+    n_layer, prefetch = 4, 1
+    model = gb.CheckpointedGPT(mode=mode, n_layer=n_layer).double()
+    kwargs = {"stage": 3, "buckets": 200}
+    out = fzero.SimWorld(world).run(gb.train, model, gb.gpt_loss, gb.gpt_batches(STEPS),
+                                    **kwargs)[0]
+    gb.assert_parity(out, gpt_reference(n_layer))
+    plain = fzero.SimWorld(world).run(gb.train, gb.CheckpointedGPT(n_layer=n_layer).double(),
+                                      gb.gpt_loss, gb.gpt_batches(1), **kwargs)[0]
+    layout = out["layout"]
+    sizes = sorted((b.padded_numel * 8 for b in layout.buckets), reverse=True)
+    block = sum(b.padded_numel * 8 for b in layout.buckets
+                if any(name.startswith("blocks.1.") for name in b.names))
+    total = sum(sizes)
+    assert len(layout.buckets) > 4 * n_layer
+    psi = sum(ring_bytes("all_gather", b.padded_numel, 8, world) for b in layout.buckets)
+    largest = max(ring_bytes("all_gather", b.padded_numel, 8, world) for b in layout.buckets)
+    for m in out["metrics"]:
+        assert m["gathered_bytes_peak"] <= block + sum(sizes[: prefetch + 1])
+        assert m["gathered_bytes_peak"] < total / 2
+        gathered = m["comm_bytes_by_kind"]["all_gather"]
+        assert 2 * psi <= gathered <= 2 * psi + 2 * largest
+        assert gathered >= plain["metrics"][0]["comm_bytes_by_kind"]["all_gather"] - largest
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "stage 3 gathers a bucket for recomputation from the pre-hooks of the modules that own its "
+    "parameters; a module that checkpoints its own forward's body (checkpoint(self.inner, x), "
+    "as transformers 5's GradientCheckpointingLayer does with `forward` so that hooks stay "
+    "outside) reads its *own* parameters during recomputation without its pre-hook running "
+    "again: a bucket released since raises torch's 'data is not allocated yet' in backward (a "
+    "matmul read, as here) or crashes the process with SIGSEGV (an elementwise read such as "
+    "x * self.gain; transformers has 12 such layers, e.g. Data2VecVisionLayer's layer scale, "
+    "DogeDecoderLayer)"))
+def test_stage3_checkpointed_body_reading_its_modules_own_parameter() -> None:
+    model = gb.InnerCheckpointed()
+    data = gb.mse_batches(STEPS, d_in=5, d_out=3)
+    out = fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, data, stage=3)
+    gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, data))
+
+
+def test_checkpointed_body_reading_its_modules_own_parameter_below_stage3() -> None:
+    model = gb.InnerCheckpointed()
+    data = gb.mse_batches(STEPS, d_in=5, d_out=3)
+    want = gb.reference(model, gb.mse_loss, data)
+    for stage in (0, 1, 2):
+        gb.assert_parity(fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, data,
+                                               stage=stage)[0], want)
+
+
+# ----------------------------------------------------------------------------------------------
+# A parameter in two reentrant regions: exact when its bucket completes once, else an error
+
+
+def shared_model_and_buckets() -> tuple[gb.SharedInRegions, list[list[str]]]:
+    model = gb.SharedInRegions().double()
+    return model, [[name] for name, _ in model.named_parameters()]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_reentrant_regions_raise_naming_the_parameter(stage: int) -> None:
+    """Each parameter in its own bucket: `shared`'s bucket is complete (and being reduced)
+    after the second region's nested backward; the first region's adds to it late."""
+    model, alone = shared_model_and_buckets()
+    fixed = LATE_GRADIENT_HELP.split("{label!r}")[1][:60]
+    batches = gb.regions_batches(2, world=2, reentrant_ranks=[0, 1])
+    outs = fzero.SimWorld(2).run(gb.train_through_failure, model, gb.regions_loss, batches,
+                                 stage=stage, fail={}, buckets=alone)
+    for out in outs:
+        assert sorted(out["errors"]) == [0, 1]
+        for error in out["errors"].values():
+            assert error["type"] == "RuntimeError"
+            assert "'shared." in error["message"] and fixed in error["message"]
+            assert error["unchanged"]
+
+
+@gb.PEER_FAILURE_BUG
+@pytest.mark.parametrize("stage", STAGES)
+def test_reentrant_regions_on_one_rank_raise_on_every_rank(stage: int) -> None:
+    model, alone = shared_model_and_buckets()
+    batches = gb.regions_batches(1, world=3, reentrant_ranks=[1])
+    outs = fzero.SimWorld(3, timeout=5).run(  # a rank left waiting fails fast
+        gb.train_through_failure, model, gb.regions_loss, batches, stage=stage, fail={},
+        buckets=alone)
+    own = outs[1]["errors"][0]
+    assert own["type"] == "RuntimeError" and "'shared." in own["message"]
+    for rank in (0, 2):
+        error = outs[rank]["errors"][0]
+        assert error["type"] == "StepError" and error["ranks"] == (1,)
+        assert "'shared." in error["message"]
+    assert all(out["errors"][0]["unchanged"] for out in outs)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_reentrant_regions_in_one_bucket_are_exact(stage: int) -> None:
+    """The default policy puts the whole small model in one bucket: it completes after both
+    nested backward passes, so nothing arrives late and training is exact."""
+    model = gb.SharedInRegions().double()
+    batches = gb.regions_batches(3, world=2, reentrant_ranks=[0, 1])
+    ref = gb.reference(model, gb.regions_loss, batches)
+    out = fzero.SimWorld(2).run(gb.train, model, gb.regions_loss, batches, stage=stage)[0]
+    assert len(out["layout"].buckets) == 1
+    gb.assert_parity(out, ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face activation checkpointing (GPT-2: tied head, Conv1D; GPT-NeoX: untied, rotary)
+#
+# SGD, not Adam: both models' fused qkv bias holds the key bias, whose gradient is exactly zero
+# in exact arithmetic (softmax ignores a per-query constant); its float64 rounding noise would
+# be normalized by Adam into full-size steps that no two summation orders agree on.
+
+transformers = pytest.importorskip("transformers")
+
+HF_MODELS = {"gpt2": (gb.hf_gpt2, "transformer.h.0.attn.c_attn"),
+             "gpt-neox": (gb.hf_neox, "gpt_neox.layers.0.attention.query_key_value")}
+"""Each model's builder, and a module inside its first layer whose calls are counted:
+transformers 5 checkpoints a layer's `forward`, not its `__call__` (so that hooks on the layer
+itself run once), and the modules inside run again in recomputation."""
+
+
+@functools.cache
+def hf_reference(name: str) -> gb.Reference:
+    build, _ = HF_MODELS[name]
+    return gb.reference(build(), gb.hf_loss, gb.hf_batches(STEPS), gb.torch_sgd)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_hf_activation_checkpointing_is_exact(name: str, reentrant: bool, stage: int,
+                                              world: int) -> None:
+    build, layer = HF_MODELS[name]
+    prepare = functools.partial(gb.enable_hf_checkpointing, use_reentrant=reentrant)
+    out = fzero.SimWorld(world).run(gb.train, build(), gb.hf_loss, gb.hf_batches(STEPS),
+                                    stage=stage, opt=("sgd", gb.SGD), prepare=prepare,
+                                    count_calls=layer)
+    gb.assert_parity(out[0], hf_reference(name))
+    assert out[0]["calls"] == 2 * STEPS  # the layer was recomputed in every backward
+
+
+@pytest.mark.skipif(not hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable"),
+                    reason="transformers 4: gradient_checkpointing_enable is the only name")
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hf_gradient_checkpointing_enable_is_exact(stage: int) -> None:
+    """The deprecated name (transformers 5 warns) takes the same path."""
+    model = gb.hf_gpt2()
+    with pytest.warns(FutureWarning, match="gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable()
+    out = fzero.SimWorld(2).run(gb.train, model, gb.hf_loss, gb.hf_batches(STEPS), stage=stage,
+                                opt=("sgd", gb.SGD), count_calls="transformer.h.1.attn.c_attn")
+    gb.assert_parity(out[0], hf_reference("gpt2"))
+    assert out[0]["calls"] == 2 * STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_hf_checkpointing_on_gloo(gloo_pool: Any, world: int) -> None:
+    prepare = functools.partial(gb.enable_hf_checkpointing, use_reentrant=False)
+    for name in sorted(HF_MODELS):
+        build, layer = HF_MODELS[name]
+        out = gloo_pool(world).run(gb.train, build(), gb.hf_loss, gb.hf_batches(STEPS),
+                                   stage=3, opt=("sgd", gb.SGD), prepare=prepare,
+                                   count_calls=layer)
+        gb.assert_parity(out[0], hf_reference(name))
+        assert out[0]["calls"] == 2 * STEPS
+
+
+def test_hf_references_train() -> None:
+    """The HF references move every parameter by far more than the 1e-12 tolerance (the
+    comparisons above are not of untouched weights)."""
+    for name, (build, _) in HF_MODELS.items():
+        start = {n: p.detach() for n, p in build().named_parameters()}
+        moved = {n: float((hf_reference(name).params[n] - v).abs().max()) for n, v in start.items()}
+        assert min(moved.values()) > 1e-5, name

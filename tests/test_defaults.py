@@ -1,0 +1,111 @@
+"""Defaults that lose no information: a float64 model keeps a float64 master copy, a float16
+model gets loss scaling however it got there, weight decay applies to every parameter (as
+``torch.optim.AdamW(model.parameters())`` and optax), and a batch is only ever split along
+dim 0 (explicit micro-batches are `fzero.MicroBatches`)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fzero
+
+import guarantee_bodies as gb
+
+STAGES = (0, 1, 2, 3)
+STEPS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def mlp_reference(optimizer=gb.torch_adamw) -> gb.Reference:
+    return gb.reference(gb.MLP64(), gb.mse_loss, gb.mse_batches(STEPS), optimizer)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+def test_float64_model_gets_a_float64_master_and_torch_defaults(stage: int, world: int) -> None:
+    """No master_dtype, no decay rule: float64 master, every parameter decayed, 1e-12."""
+    out = fzero.SimWorld(world).run(gb.train, gb.MLP64(), gb.mse_loss, gb.mse_batches(STEPS),
+                                    stage=stage)
+    assert out[0]["master_dtype"] == torch.float64
+    gb.assert_parity(out[0], mlp_reference())
+
+
+def test_a_float32_master_would_be_visible() -> None:
+    """The old default (float32 master for a float64 model) misses the 1e-12 bound by far."""
+    out = fzero.SimWorld(2).run(gb.train, gb.MLP64(), gb.mse_loss, gb.mse_batches(STEPS),
+                                stage=1, init_kwargs={"master_dtype": torch.float32})[0]
+    assert gb.max_difference(out["params"], mlp_reference().params) > 1e-9
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_decay_matrices_is_torchs_two_param_groups(stage: int) -> None:
+    want = mlp_reference(gb.torch_adamw_two_groups)
+    out = fzero.SimWorld(3).run(gb.train, gb.MLP64(), gb.mse_loss, gb.mse_batches(STEPS),
+                                stage=stage, step_kwargs={"decay": fzero.decay_matrices})
+    gb.assert_parity(out[0], want)
+    # The rules differ on the 1-d parameters, so the test tells them apart.
+    other = mlp_reference().params["norm.weight"]
+    assert float((want.params["norm.weight"] - other).abs().max()) > 1e-6
+
+
+@pytest.mark.parametrize(
+    ("convert", "master", "scaled"),
+    [(torch.nn.Module.half, torch.float32, True), (torch.nn.Module.bfloat16, torch.float32, False),
+     (torch.nn.Module.float, torch.float32, False), (torch.nn.Module.double, torch.float64, False)],
+    ids=["float16", "bfloat16", "float32", "float64"],
+)
+def test_master_dtype_and_loss_scale_follow_the_model(convert, master, scaled) -> None:
+    model = convert(gb.MLP64())
+    out = fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, [], stage=2)[0]
+    assert out["master_dtype"] == master
+    assert (out["loss_scale"] == fzero.LossScale()) if scaled else out["loss_scale"] is None
+
+
+def test_float16_model_trains_with_its_loss_scale() -> None:
+    """model.half() without param_dtype: the step scales the loss; here 2**16 overflows the
+    first step's float16 gradients, which is skipped and the scale halved (GradScaler's rule),
+    and the next steps apply."""
+    model = gb.MLP64().half()
+    data = gb.mse_batches(3, dtype=torch.float16)
+    out = fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, data, stage=3)[0]
+    metrics = out["metrics"]
+    assert [m["skipped"] for m in metrics] == [True, False, False]
+    assert [m["loss_scale"] for m in metrics] == [2.0**15] * 3
+    assert out["step"] == 2
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_list_batch_with_accumulation_is_split_along_dim_0(stage: int) -> None:
+    """``[x, y]`` with ``accum_steps=2`` is two halves of x with the matching halves of y (never
+    x and y as two micro-batches), so it equals one big batch."""
+    data = [list(batch) for batch in gb.mse_batches(STEPS, rows=8)]
+    want = gb.reference(gb.MLP64(), gb.mse_loss, data)
+    out = fzero.SimWorld(2).run(gb.train, gb.MLP64(), gb.mse_loss, data, stage=stage,
+                                step_kwargs={"accum_steps": 2})
+    gb.assert_parity(out[0], want)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_explicit_micro_batches(stage: int) -> None:
+    data = gb.mse_batches(STEPS)
+    out = fzero.SimWorld(2).run(gb.micro_batches_body, gb.MLP64(), data, stage=stage, parts=3)
+    gb.assert_parity(out[0], mlp_reference())
+
+
+def test_micro_batches_validation() -> None:
+    with pytest.raises(ValueError, match="holds no micro-batch"):
+        fzero.step.split_batch(fzero.MicroBatches([]), 1)
+    x = torch.zeros(6, 2)
+    assert len(fzero.step.split_batch(fzero.MicroBatches([x, x, x]), 1)) == 3
+    assert [t.shape[0] for t in fzero.step.split_batch([x, x], 2)[0]] == [3, 3]

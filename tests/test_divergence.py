@@ -1,0 +1,193 @@
+"""Ranks whose computation differs (data-dependent control flow) train exactly.
+
+Each rank's rows carry its route through `guarantee_bodies.Routed`'s equal-sized blocks: skip a
+block, call one twice, run them in another order. The reference is single-process torch.optim
+on the mean over ranks of each rank's mean loss, each rank's rows deciding its own path, which
+is what data parallelism means for such a model. Stages 0-2 reduce in one fixed order with
+zeros for unused buckets; stage 3 gathers along one agreed sequence and asks for the rest in
+rounds (fzero.schedule).
+
+A parameter that no rank used in a step gets no update at all (torch.optim skips a parameter
+whose grad is None): no decay, frozen moments, its own step count (`state.param_steps`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+import fzero
+
+import guarantee_bodies as gb
+
+STAGES = (0, 1, 2, 3)
+FULL = [0, 1, 2]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def short_patience(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 3: a rank whose backward differs waits at most `REDUCE_PATIENCE` seconds for the
+    previous bucket's reduction before it moves on (fzero.buckets.Reducer); every divergent
+    step pays it once per deferred bucket (0.5 s by default: 4 steps of the "order" routes take
+    4 s instead of 0.06 s). The result must not depend on it: the SimWorld matrices run with
+    10 ms, which defers more reductions; the gloo tests keep the default."""
+    import fzero.step
+
+    monkeypatch.setattr(fzero.step, "REDUCE_PATIENCE", 0.01)
+
+
+def routes(kind: str, world: int) -> list[list[list[int]]]:
+    """Per step, per rank: the route. The first and last ranks diverge at different steps."""
+    rest = [FULL] * (world - 1)
+    odd = {"skip": ([0, 2], [0, 1], [2]), "twice": ([0, 1, 1, 2], [0, 0, 1, 2], [1, 1]),
+           "order": ([2, 1, 0], [1, 0, 2], [0, 2, 1])}[kind]
+    return [[FULL] * world, [odd[0], *rest], [*rest, odd[1]], [odd[2], *rest]]
+
+
+UNUSED = [[FULL], [[0, 2]], [[0, 2]], [FULL], [[0, 2]]]
+"""Block 1 used at step 1, by no rank at steps 2, 3 and 5, used again at step 4."""
+
+
+@functools.cache
+def batches(kind: str, world: int) -> list[Any]:
+    plan = UNUSED if kind == "unused" else routes(kind, world)
+    return gb.routed_batches([step * world if kind == "unused" else step for step in plan])
+
+
+@functools.cache
+def expected(kind: str, world: int) -> gb.Reference:
+    return gb.reference(gb.Routed().double(), gb.routed_loss, batches(kind, world), world=world)
+
+
+def train(world: int, kind: str, stage: int, buckets: Any = None) -> list[dict[str, Any]]:
+    return fzero.SimWorld(world).run(gb.train, gb.Routed().double(), gb.routed_loss,
+                                     batches(kind, world), stage=stage, buckets=buckets)
+
+
+# ----------------------------------------------------------------------------------------------
+# Divergent ranks
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("kind", ["skip", "twice", "order"])
+def test_divergent_ranks_train_exactly(kind: str, stage: int, world: int,
+                                      short_patience: None) -> None:
+    out = train(world, kind, stage)
+    gb.assert_parity(out[0], expected(kind, world))
+    for other in out[1:]:
+        assert other["losses"] == out[0]["losses"]
+        assert all(torch.equal(other["params"][n], v) for n, v in out[0]["params"].items())
+    assert all(m["unused"] == [] for m in out[0]["metrics"])  # some rank used every block
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+def test_skipped_block_with_fine_buckets(stage: int, world: int, short_patience: None) -> None:
+    """A 20-element cap: every parameter in a bucket of its own, the blocks' weights in equal
+    64-element buckets, each split across ranks."""
+    out = train(world, "skip", stage, buckets=20)
+    assert len(out[0]["layout"].buckets) == 10
+    gb.assert_parity(out[0], expected("skip", world))
+
+
+@pytest.mark.parametrize("kind", ["twice", "order"])
+def test_stage3_reuse_and_reorder_with_fine_buckets(kind: str, short_patience: None) -> None:
+    out = train(3, kind, 3, buckets=20)
+    gb.assert_parity(out[0], expected(kind, 3))
+
+
+def test_reference_tells_paths_apart() -> None:
+    """The per-rank paths matter: the same batches with every rank on the full route train
+    differently, and so does one global batch with rank 0's route for everyone."""
+    world = 3
+    want = expected("skip", world)
+    plain = gb.reference(gb.Routed().double(), gb.routed_loss, batches("skip", world), world=1)
+    all_full = gb.reference(gb.Routed().double(), gb.routed_loss,
+                            gb.routed_batches([[FULL] * world] * 4), world=world)
+    assert gb.max_difference(plain.params, want.params) > 1e-4
+    assert gb.max_difference(all_full.params, want.params) > 1e-4
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_divergent_ranks_on_gloo(gloo_pool: Any, world: int) -> None:
+    for stage in STAGES:
+        for kind in ("skip", "order"):
+            out = gloo_pool(world).run(gb.train, gb.Routed().double(), gb.routed_loss,
+                                       batches(kind, world), stage=stage)
+            gb.assert_parity(out[0], expected(kind, world))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_divergent_ranks_on_gloo_with_fine_buckets(gloo_pool: Any, world: int) -> None:
+    for stage in STAGES:
+        out = gloo_pool(world).run(gb.train, gb.Routed().double(), gb.routed_loss,
+                                   batches("skip", world), stage=stage, buckets=20)
+        gb.assert_parity(out[0], expected("skip", world))
+
+
+@pytest.mark.parametrize("kind", ["skip", "twice", "order"])
+def test_stage3_eval_with_divergent_ranks(kind: str, short_patience: None) -> None:
+    """The eval step is a collective at stage 3 too; each rank gets its own path's loss."""
+    world, model = 3, gb.Routed().double()
+    for batch in batches(kind, world)[1:]:
+        losses = fzero.SimWorld(world).run(gb.evaluate, model, gb.routed_loss, batch, stage=3)
+        for rank, loss in enumerate(losses):
+            want = gb.routed_loss(model, gb.rank_rows(batch, rank, world)).item()
+            assert loss == pytest.approx(want, rel=0, abs=gb.F64_ATOL)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters no rank used
+
+
+@pytest.mark.parametrize("buckets", [None, 20])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+def test_unused_parameters_follow_torch(stage: int, world: int, buckets: Any) -> None:
+    """AdamW with weight decay: torch leaves a grad-None parameter alone (no decay, moments
+    frozen) and its bias corrections then count its own steps; fzero does the same."""
+    out = train(world, "unused", stage, buckets=buckets)
+    gb.assert_parity(out[0], expected("unused", world))
+    unused = ["blocks.1.weight", "blocks.1.bias"]
+    assert [m["unused"] for m in out[0]["metrics"]] == [[], unused, unused, [], unused]
+    names = [e.name for b in out[0]["layout"].buckets if b.trainable for e in b.entries]
+    steps = dict(zip(names, out[0]["param_steps"], strict=True))
+    assert steps == {n: 2 if n.startswith("blocks.1.") else 5 for n in names}
+    assert out[0]["step"] == 5
+
+
+def test_unused_reference_differs_from_zero_gradients() -> None:
+    """What fzero did before: a zero gradient instead of none, so decay and moments go on."""
+    data = batches("unused", 1)
+    want = expected("unused", 1)
+    model = gb.Routed().double()
+    opt = gb.torch_adamw(list(model.parameters()))
+    for batch in data:
+        opt.zero_grad(set_to_none=False)  # keeps zeros where a gradient existed
+        gb.routed_loss(model, batch).backward()
+        opt.step()
+    stepped = {n: p.detach() for n, p in model.named_parameters()}
+    assert gb.max_difference(stepped, want.params) > 1e-3
+
+
+def test_unused_parameters_then_more_steps_keep_parity() -> None:
+    """After the per-parameter counts diverged, ordinary steps keep using them."""
+    plan = UNUSED + [[FULL]] * 3
+    data = gb.routed_batches([step * 2 for step in plan])
+    want = gb.reference(gb.Routed().double(), gb.routed_loss, data, world=2)
+    out = fzero.SimWorld(2).run(gb.train, gb.Routed().double(), gb.routed_loss, data, stage=3)
+    gb.assert_parity(out[0], want)
+    assert out[0]["param_steps"] is not None and max(out[0]["param_steps"]) == 8

@@ -1,0 +1,65 @@
+"""`step` consumes (donates) its input state: reusing it raises, naming the step that consumed
+it; `fzero.clone_state` keeps a copy on purpose, views of one storage staying views."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fzero
+
+import guarantee_bodies as gb
+
+STAGES = (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_consumed_state_raises_and_a_clone_keeps_the_old_values(stage: int) -> None:
+    model = gb.MLP64()
+    data = gb.mse_batches(2)
+    out = fzero.SimWorld(2).run(gb.donation_body, model, data, stage=stage)[0]
+    for what in ("step", "full_params", "clone_state"):
+        error = out["errors"][what]
+        assert error["type"] == "ValueError", what
+        assert "consumed by train step 1" in error["message"] and "clone_state" in (
+            error["message"])
+    assert "consumed by train step 2" in out["errors"]["full_params of step 1's state"][
+        "message"]
+    assert out["kept_unchanged"] and out["kept_step"] == 0
+    two = gb.reference(model, gb.mse_loss, data)
+    one = gb.reference(model, gb.mse_loss, data[:1])
+    gb.assert_parity({"losses": two.losses, "params": out["trained"]}, two)
+    gb.assert_parity({"losses": one.losses, "params": out["replayed"]}, one)
+    assert out["state2_step"] == 2
+    # float64 parameters are their own master copy, in the state and in its clone.
+    assert out["sharing"] == ([True] * len(out["sharing"][0]),) * 2
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_clone_keeps_separate_master_copies_separate(stage: int) -> None:
+    state = fzero.SimWorld(1).run(
+        lambda comm: fzero.init(gb.MLP64(dtype=torch.float32), stage=stage, comm=comm,
+                                optimizer=fzero.optim.adamw(), param_dtype=torch.bfloat16))[0]
+    kept = fzero.clone_state(state)
+    for s in (state, kept):
+        assert not any(gb.storage_sharing(s))
+    for a, b in zip(state.master, kept.master, strict=True):
+        assert torch.equal(a, b) and a.untyped_storage().data_ptr() != (
+            b.untyped_storage().data_ptr())
+
+
+def test_pytree_copy_is_live_but_the_consumed_state_is_not() -> None:
+    """A tree_map copy made before a step is a fresh, live state (its own lease)."""
+    import torch.utils._pytree as pytree
+
+    def body(comm):
+        state = fzero.init(gb.MLP64(), stage=1, comm=comm, optimizer=fzero.optim.adamw())
+        copy = pytree.tree_map(torch.clone, state)
+        step = fzero.make_train_step(gb.MLP64(), gb.mse_loss)
+        step(state, gb.mse_batches(1, rows=2)[0])
+        fzero.full_params(copy)  # live
+        with pytest.raises(ValueError, match="consumed by train step 1"):
+            fzero.full_params(state)
+        return True
+
+    assert fzero.SimWorld(1).run(body) == [True]

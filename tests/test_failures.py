@@ -1,0 +1,166 @@
+"""A step that cannot be applied raises on every rank, leaves every rank's state unchanged, and
+training goes on from that state.
+
+- A rank whose loss_fn (or backward) raises: that rank raises its own exception, the others
+  `fzero.StepError` naming the rank and its message; continuing afterwards equals
+  single-process torch.optim that skipped that step.
+- A rank given another number of micro-batches: `StepError` on every rank before anything
+  moves (fzero.consensus's header).
+- A rank given a consumed state: that rank its `ValueError`, the others `StepError`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+import fzero
+
+import guarantee_bodies as gb
+
+STAGES = (0, 1, 2, 3)
+FULL = [0, 1, 2, -1]  # the free last slot lets `failing_backward` add a raising node
+STEPS, BAD_STEP, BAD_RANK = 4, 1, 1
+SECONDS = 5.0
+"""Every rank raises well within this. The SimWorld runs here time collectives out after it
+too (instead of 30 s), so that a rank left waiting fails the test quickly."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def world_of(n: int) -> fzero.SimWorld:
+    return fzero.SimWorld(n, timeout=SECONDS)
+
+
+@functools.cache
+def batches(world: int) -> list[Any]:
+    return gb.routed_batches([[FULL] * world] * STEPS)
+
+
+@functools.cache
+def skipped_reference(world: int) -> gb.Reference:
+    return gb.reference(gb.Routed().double(), gb.routed_loss, batches(world), skip=[BAD_STEP])
+
+
+def check_failed_step(outs: list[dict[str, Any]], world: int, own: str, text: str) -> None:
+    """Rank BAD_RANK raised `own`, the others StepError naming it; nothing changed; the rest
+    of training equals the reference that skipped that step."""
+    want = skipped_reference(world)
+    for rank, out in enumerate(outs):
+        assert sorted(out["errors"]) == [BAD_STEP], rank
+        error = out["errors"][BAD_STEP]
+        assert error["unchanged"], rank
+        assert error["seconds"] < SECONDS
+        if rank == BAD_RANK:
+            assert error["type"] == own and text in error["message"]
+        else:
+            assert error["type"] == "StepError", error
+            assert error["ranks"] == (BAD_RANK,) and error["step"] == BAD_STEP + 1
+            assert f"rank {BAD_RANK}" in error["message"] and text in error["message"]
+        assert out["step"] == STEPS - 1
+        gb.assert_parity(out, want)
+
+
+@gb.PEER_FAILURE_BUG
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+def test_loss_fn_raising_on_one_rank(stage: int, world: int) -> None:
+    fail = {BAD_STEP: {BAD_RANK: gb.failing_route}}
+    outs = world_of(world).run(gb.train_through_failure, gb.Routed().double(),
+                                     gb.routed_loss, batches(world), stage=stage, fail=fail)
+    check_failed_step(outs, world, "Boom", "loss_fn failed on purpose")
+
+
+@gb.PEER_FAILURE_BUG
+@pytest.mark.parametrize("stage", STAGES)
+def test_backward_raising_on_one_rank(stage: int) -> None:
+    fail = {BAD_STEP: {BAD_RANK: gb.failing_backward}}
+    outs = world_of(3).run(gb.train_through_failure, gb.Routed().double(),
+                                 gb.routed_loss, batches(3), stage=stage, fail=fail)
+    check_failed_step(outs, 3, "Boom", "backward failed on purpose")
+
+
+@gb.PEER_FAILURE_BUG
+@pytest.mark.parametrize("world", [2, 3])
+def test_loss_fn_raising_on_one_gloo_rank(gloo_pool: Any, world: int) -> None:
+    fail = {BAD_STEP: {BAD_RANK: gb.failing_route}}
+    for stage in STAGES:
+        outs = gloo_pool(world).run(gb.train_through_failure, gb.Routed().double(),
+                                    gb.routed_loss, batches(world), stage=stage, fail=fail)
+        check_failed_step(outs, world, "Boom", "loss_fn failed on purpose")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_loss_fn_raising_on_every_rank(stage: int) -> None:
+    """Every rank fails alike: each raises its own exception; nothing changes."""
+    fail = {BAD_STEP: dict.fromkeys(range(2), gb.failing_route)}
+    outs = world_of(2).run(gb.train_through_failure, gb.Routed().double(),
+                                 gb.routed_loss, batches(2), stage=stage, fail=fail)
+    for out in outs:
+        error = out["errors"][BAD_STEP]
+        assert error["type"] == "Boom" and error["unchanged"]
+        gb.assert_parity(out, skipped_reference(2))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+def test_different_number_of_micro_batches(stage: int, world: int) -> None:
+    fail = {BAD_STEP: {BAD_RANK: gb.split_in_two}}
+    outs = world_of(world).run(gb.train_through_failure, gb.Routed().double(),
+                                     gb.routed_loss, batches(world), stage=stage, fail=fail)
+    for out in outs:
+        error = out["errors"][BAD_STEP]
+        assert error["type"] == "StepError" and error["unchanged"]
+        assert error["ranks"] == (BAD_RANK,)
+        assert "micro batches" in error["message"] and "nothing was communicated" in (
+            error["message"])
+        assert error["moved"] == 0
+        assert f"2 on ranks [{BAD_RANK}]" in error["message"]
+        gb.assert_parity(out, skipped_reference(world))
+
+
+def test_different_number_of_micro_batches_on_gloo(gloo_pool: Any) -> None:
+    fail = {BAD_STEP: {BAD_RANK: gb.split_in_two}}
+    for stage in (0, 3):
+        outs = gloo_pool(3).run(gb.train_through_failure, gb.Routed().double(), gb.routed_loss,
+                                batches(3), stage=stage, fail=fail)
+        assert all(out["errors"][BAD_STEP]["type"] == "StepError" for out in outs)
+        gb.assert_parity(outs[0], skipped_reference(3))
+
+
+def consumed_outcomes(run: Any, stage: int) -> list[dict[str, Any]]:
+    model = gb.MLP64()
+    data = gb.mse_batches(2)
+    outs = run(gb.consumed_state_step, model, data, stage=stage, stale_rank=BAD_RANK)
+    want = gb.reference(model, gb.mse_loss, data)
+    for rank, out in enumerate(outs):
+        error = out["error"]
+        if rank == BAD_RANK:
+            assert error["type"] == "ValueError" and "consumed by train step 1" in (
+                error["message"])
+        else:
+            assert error["type"] == "StepError" and error["ranks"] == (BAD_RANK,)
+            assert "could not start" in error["message"]
+        assert out["step"] == 2
+        gb.assert_parity({"losses": [out["loss"]], "params": out["params"]},
+                         gb.Reference(want.losses[1:], want.params))
+    return outs
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_consumed_state_on_one_rank(stage: int) -> None:
+    consumed_outcomes(world_of(3).run, stage)
+
+
+def test_consumed_state_on_one_gloo_rank(gloo_pool: Any) -> None:
+    for stage in (1, 3):
+        consumed_outcomes(gloo_pool(2).run, stage)

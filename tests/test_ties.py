@@ -1,0 +1,110 @@
+"""Tied parameters: every alias is bound to the state's one tensor, so a module whose ties were
+lost on the ``meta`` device (``model.to("meta")`` after `fzero.init`, to drop its memory) trains
+exactly; a module whose ties changed while materialized raises, naming the parameters."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+import fzero
+
+import guarantee_bodies as gb
+from models import FrozenMix, TinyGPT
+
+STAGES = (0, 1, 2, 3)
+STEPS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_to_meta_unties() -> None:
+    """The premise: torch's ``to("meta")`` gives each module its own parameter."""
+    model = TinyGPT().to("meta")
+    assert model.lm_head.weight is not model.tok_emb.weight
+    assert model.lm_head.weight.is_meta
+
+
+@functools.cache
+def gpt_reference() -> gb.Reference:
+    return gb.reference(TinyGPT().double(), gb.gpt_loss, gb.gpt_batches(STEPS))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+def test_meta_after_init_trains_a_tied_gpt_exactly(stage: int, world: int) -> None:
+    out = fzero.SimWorld(world).run(gb.train, TinyGPT().double(), gb.gpt_loss,
+                                    gb.gpt_batches(STEPS), stage=stage, after_init=gb.to_meta)
+    gb.assert_parity(out[0], gpt_reference())
+    assert torch.equal(out[0]["params"]["lm_head.weight"], out[0]["params"]["tok_emb.weight"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_meta_after_init_with_buffers_and_frozen_parameters(stage: int) -> None:
+    """FrozenMix reads a float and an int64 buffer and has frozen parameters: the state's
+    buffers and frozen values are bound, not the module's meta tensors."""
+    model = FrozenMix().double()
+    data = gb.mse_batches(STEPS)
+    want = gb.reference(model, gb.mse_loss, data)
+    out = fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, data, stage=stage,
+                                after_init=gb.to_meta)
+    gb.assert_parity(out[0], want)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_meta_after_init_evaluates_exactly(stage: int) -> None:
+    model, batch = TinyGPT().double(), gb.gpt_batches(1)[0]
+    losses = fzero.SimWorld(2).run(gb.evaluate, model, gb.gpt_loss, batch, stage=stage,
+                                   after_init=gb.to_meta)
+    for rank, loss in enumerate(losses):
+        assert loss == pytest.approx(gb.gpt_loss(model, gb.rank_rows(batch, rank, 2)).item(),
+                                     rel=0, abs=gb.F64_ATOL)
+
+
+def test_meta_after_init_on_gloo(gloo_pool: Any) -> None:
+    for stage in (1, 3):
+        out = gloo_pool(2).run(gb.train, TinyGPT().double(), gb.gpt_loss,
+                               gb.gpt_batches(STEPS), stage=stage, after_init=gb.to_meta)
+        gb.assert_parity(out[0], gpt_reference())
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_tie_broken_after_init_raises_naming_the_names(stage: int) -> None:
+    batch = gb.gpt_batches(1)[0]
+    outs = fzero.SimWorld(2).run(gb.retie_after_init, TinyGPT().double(), batch, stage=stage,
+                                 change=gb.untie_head, ranks=[0, 1])
+    for out in outs:
+        assert out["type"] == "ValueError" and out["unchanged"]
+        assert "['tok_emb.weight', 'lm_head.weight']" in out["message"]
+        assert "broken after fzero.init" in out["message"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tie_broken_on_one_rank_raises_on_every_rank(stage: int) -> None:
+    batch = gb.gpt_batches(1)[0]
+    outs = fzero.SimWorld(3).run(gb.retie_after_init, TinyGPT().double(), batch, stage=stage,
+                                 change=gb.untie_head, ranks=[2])
+    assert outs[2]["type"] == "ValueError" and "lm_head.weight" in outs[2]["message"]
+    for out in outs[:2]:
+        assert out["type"] == "StepError" and out["ranks"] == (2,)
+    assert all(out["unchanged"] for out in outs)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_tie_gained_after_init_raises(stage: int) -> None:
+    batch = gb.mse_batches(1, d_in=6, d_out=6)[0]
+    outs = fzero.SimWorld(2).run(gb.retie_after_init, gb.TwinLinear(), batch, stage=stage,
+                                 change=gb.tie_fc2_to_fc1, ranks=[0, 1])
+    for out in outs:
+        assert out["type"] == "ValueError" and out["unchanged"]
+        assert "['fc1.weight', 'fc2.weight']" in out["message"]
+        assert "built before the tie" in out["message"]
