@@ -174,7 +174,8 @@ def exchange_statistics(
     if failed_ranks:  # a second exchange, only when some rank failed: its error text
         text = (failed or "").encode("utf-8", "replace")[:_MESSAGE_BYTES]
         buffer = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
-        buffer[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        if text:  # a healthy rank sends zeros
+            buffer[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         texts = torch.empty(n * _MESSAGE_BYTES, dtype=torch.uint8)
         control.all_gather(texts, buffer, label="of the failed ranks' errors")
         for r in failed_ranks:

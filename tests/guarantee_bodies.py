@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
@@ -36,16 +35,6 @@ SGD = {"lr": 0.1, "momentum": 0.9}
 """fzero.optim.sgd and torch.optim.SGD hyperparameters."""
 F64_ATOL = 1e-12
 """float64 parameters and losses agree with torch.optim within this (absolute; values O(1))."""
-
-PEER_FAILURE_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="fzero.consensus.exchange_statistics: when some rank failed, every rank sends its "
-    "error text, but a rank that did not fail (failed=None) builds it with "
-    "torch.frombuffer(bytearray(b'')), which raises ValueError ('both buffer length (0) and "
-    "count (-1) must not be 0'): the healthy ranks raise that ValueError instead of StepError "
-    "and skip the text all_gather, so the ranks' collective sequences desync",
-)
-"""A failure on some ranks only does not reach the others as `StepError` (see the reason)."""
 
 OptSpec = tuple[str, dict[str, Any]]
 LossFn = Callable[[Callable[..., Tensor], Any], Tensor]

@@ -171,7 +171,6 @@ def test_two_reentrant_regions_raise_naming_the_parameter(stage: int) -> None:
             assert error["unchanged"]
 
 
-@gb.PEER_FAILURE_BUG
 @pytest.mark.parametrize("stage", STAGES)
 def test_reentrant_regions_on_one_rank_raise_on_every_rank(stage: int) -> None:
     model, alone = shared_model_and_buckets()

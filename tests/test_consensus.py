@@ -47,10 +47,6 @@ def test_high_signature_bits_are_compared() -> None:
     assert stats[0].mismatched == (1,)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "exchange_statistics builds every rank's error text with torch.frombuffer, which raises "
-    "ValueError on an empty buffer: a rank that did not fail (failed=None) raises instead of "
-    "taking part in the text exchange"))
 def test_statistics_carry_a_failed_ranks_message_to_every_rank() -> None:
     stats = fzero.SimWorld(3, timeout=5).run(statistics_body, signatures={}, used={},
                                              failed={1: "Boom: ünïcode text"})

@@ -70,7 +70,6 @@ def check_failed_step(outs: list[dict[str, Any]], world: int, own: str, text: st
         gb.assert_parity(out, want)
 
 
-@gb.PEER_FAILURE_BUG
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("stage", STAGES)
 def test_loss_fn_raising_on_one_rank(stage: int, world: int) -> None:
@@ -80,7 +79,6 @@ def test_loss_fn_raising_on_one_rank(stage: int, world: int) -> None:
     check_failed_step(outs, world, "Boom", "loss_fn failed on purpose")
 
 
-@gb.PEER_FAILURE_BUG
 @pytest.mark.parametrize("stage", STAGES)
 def test_backward_raising_on_one_rank(stage: int) -> None:
     fail = {BAD_STEP: {BAD_RANK: gb.failing_backward}}
@@ -89,7 +87,6 @@ def test_backward_raising_on_one_rank(stage: int) -> None:
     check_failed_step(outs, 3, "Boom", "backward failed on purpose")
 
 
-@gb.PEER_FAILURE_BUG
 @pytest.mark.parametrize("world", [2, 3])
 def test_loss_fn_raising_on_one_gloo_rank(gloo_pool: Any, world: int) -> None:
     fail = {BAD_STEP: {BAD_RANK: gb.failing_route}}
