@@ -27,9 +27,14 @@ its own business (releasing needs no collective):
   or, for a frozen bucket, when the gradients of the module's inputs are (a multi-grad hook:
   the module's backward is over).
 
-A rank that needs a parameter of a released bucket outside any module that owns it (a parent
-reading a child's weight) gets `OutsideOwnerError`, naming the module, the candidates and the
-`buckets=` remedy, instead of torch's "data is not allocated".
+Any other read of a parameter (a parent reading a child's weight, a layer whose checkpointed
+body reads its own weight during recomputation, as transformers 5's `GradientCheckpointingLayer`
+does) is seen by `guard`, a torch function mode active through the step's forward and backward:
+a torch function given a parameter of a released bucket first gathers that bucket (a `need`,
+like any other, so every rank's collectives still agree). A released bucket's storage has zero
+bytes and torch does not check every read of it: without the guard such a read would return
+garbage or crash. A read the guard cannot see (a view taken earlier and kept) raises
+`OutsideOwnerError`, naming the module and the candidates, instead of torch's message.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from fzero.collect import Pending, SideStreams, all_gather_bucket
 from fzero.comm import Comm
@@ -61,7 +67,14 @@ from fzero.schedule import (
     serve,
 )
 
-__all__ = ["OutsideOwnerError", "PeerFailed", "PhaseEnd", "Residency", "trigger_modules"]
+__all__ = [
+    "OutsideOwnerError",
+    "PeerFailed",
+    "PhaseEnd",
+    "Residency",
+    "backward_under_guard",
+    "trigger_modules",
+]
 
 
 class PeerFailed(RuntimeError):
@@ -140,6 +153,8 @@ class Residency:
             flat.untyped_storage().resize_(0)
             self.full.append(flat)
         self.nbytes = [f.numel() * f.element_size() for f in self.full]
+        self.bucket_of = {id(leaf): index for index, leaves in enumerate(self.leaves)
+                          for leaf in leaves}
         self.frozen = {i for i, b in enumerate(layout.buckets) if not b.trainable}
         self.allocated: set[int] = set()
         self.resident: set[int] = set()
@@ -433,10 +448,20 @@ class Residency:
 
     # -- errors --
 
+    def guard(self, model: nn.Module) -> _Guard:
+        """The torch function mode that gathers a parameter's bucket before any torch function
+        reads it (see the module note); enter it for the step's forward and backward."""
+        return _Guard(self, model)
+
+    def read(self, index: int) -> None:
+        """A torch function is about to read a parameter of bucket `index` outside the hooks."""
+        if index not in self.resident or index in self.inflight:
+            self.need(index, evict=False, pin=self.phase == "backward")
+
     def explain(self, error: RuntimeError, model: nn.Module) -> RuntimeError:
         """`error`, or an `OutsideOwnerError` when it is torch's complaint about reading a
         released bucket's parameter."""
-        if "not allocated" not in str(error):
+        if not _released_read(error):
             return error
         reader = self.stack[-1] if self.stack else model
         paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
@@ -452,11 +477,82 @@ class Residency:
         where = f"module {prefix!r} ({type(reader).__name__})" if prefix else (
             f"the root module ({type(reader).__name__}) or code outside any module")
         return OutsideOwnerError(
-            f"stage 3: {where} read a parameter that no running module owns, so its bucket was "
-            f"not gathered; it is one of {candidates[:8]}{' ...' if len(candidates) > 8 else ''}. "
-            f"fzero gathers a bucket right before the forward of each module that owns one of "
-            f"its parameters. Read the parameter inside its own module's forward, or pass "
-            f"buckets= to fzero.init so that it shares a bucket with parameters the reading "
-            f"module owns (a list of lists of names, or a module class whose instances own it)."
+            f"stage 3: {where} read a parameter of a bucket that was released, through a path "
+            f"fzero does not see (a view or detached copy of it taken earlier and kept); it is "
+            f"one of {candidates[:8]}{' ...' if len(candidates) > 8 else ''}. Read the "
+            f"parameter itself where you need it (any torch function given a parameter gathers "
+            f"its bucket first), or keep such views only within one module's forward."
         )
+
+
+_METADATA = frozenset({
+    "__set__", "size", "dim", "numel", "nelement", "stride", "storage_offset",
+    "is_contiguous", "untyped_storage", "data_ptr", "element_size", "is_floating_point",
+    "is_complex", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+    "__len__", "__hash__",
+})
+"""Torch functions that read a tensor's metadata only: reading a parameter's shape or
+registering a hook on it gathers nothing."""
+
+_DATA_PROPERTIES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+"""Properties that give a view of the data: reading them gathers, as any other read."""
+
+
+def _reads_data(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property: .grad or .shape read nothing, .T views the data
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _DATA_PROPERTIES
+    return name not in _METADATA
+
+
+class _Guard(TorchFunctionMode):
+    """Gathers a released bucket before a torch function reads one of its parameters (see the
+    module note); turns an unexplained read of a released bucket into `OutsideOwnerError`."""
+
+    def __init__(self, residency: Residency, model: nn.Module) -> None:
+        super().__init__()
+        self.residency = residency
+        self.model = model
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        residency = self.residency
+        if _reads_data(func):
+            bucket_of = residency.bucket_of
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, list | tuple):
+                    for item in value:
+                        index = bucket_of.get(id(item))
+                        if index is not None:
+                            residency.read(index)
+                else:
+                    index = bucket_of.get(id(value))
+                    if index is not None:
+                        residency.read(index)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as error:
+            if _released_read(error):
+                raise residency.explain(error, self.model) from error
+            raise
+
+
+def backward_under_guard(loss: Tensor) -> None:
+    """``loss.backward()`` for a scalar loss, with the guard (a torch function mode) kept active
+    for the Python code backward runs, i.e. recomputation under activation checkpointing.
+
+    ``Tensor.backward`` itself dispatches to the active mode, whose handler runs with the mode
+    switched off, so the whole backward would run unguarded; the engine entry point that
+    ``torch.autograd.backward`` ends in does not dispatch.
+    """
+    torch.autograd.graph._engine_run_backward(
+        (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+def _released_read(error: BaseException) -> bool:
+    """Whether `error` is torch's complaint about a tensor over a zero-byte storage."""
+    text = str(error)
+    return "not allocated" in text or "storage of size 0" in text
 

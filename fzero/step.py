@@ -48,7 +48,7 @@ from fzero.comm import Comm
 from fzero.consensus import Header, StepError, agree_header, exchange_statistics
 from fzero.flat import alias_leaves, all_finite, entry_views, shard_view, unflatten
 from fzero.optim import Schedule, clip_coefficient
-from fzero.residency import PeerFailed, Residency, trigger_modules
+from fzero.residency import PeerFailed, Residency, backward_under_guard, trigger_modules
 from fzero.schedule import ABORTED, DONE, FAILED, BucketOrder, reduce_order
 from fzero.state import (
     Lease,
@@ -553,6 +553,7 @@ class _ShardedSession:
         self.phase: str | None = None  # the phase under way on this rank
         self.hooks = contextlib.ExitStack()
         self.hooks.enter_context(self.residency.module_hooks(self.triggers))
+        self.hooks.enter_context(self.residency.guard(model))
         if train:
             self.hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(
                 self.residency.pack, self.residency.unpack))
@@ -596,7 +597,7 @@ class _ShardedSession:
         for index in self.state.trainable:
             if index not in touched:  # never gathered: no leaf of it is in the graph
                 self.completion.force(index)
-        (loss * factor).backward()
+        backward_under_guard(loss * factor)
         self._end_backward(DONE)
         return loss.detach()
 

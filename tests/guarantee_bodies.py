@@ -165,15 +165,17 @@ def gpt_batches(count: int, rows: int = 12) -> list[tuple[Tensor, Tensor]]:
 
 class InnerBlock(nn.Module):
     """A block that checkpoints its own forward's body, which reads the block's own matrix
-    (``mix``) before calling its child ``fc``."""
+    (``mix``, a matmul) before calling its child ``fc`` and its own ``gain`` after (an
+    elementwise product, which torch would not bounds-check on a released bucket)."""
 
     def __init__(self, width: int):
         super().__init__()
         self.mix = nn.Parameter(torch.eye(width) + 0.1 * torch.randn(width, width))
         self.fc = nn.Linear(width, width)
+        self.gain = nn.Parameter(1.0 + 0.1 * torch.randn(width))
 
     def body(self, x: Tensor) -> Tensor:
-        return torch.tanh(self.fc(x @ self.mix))
+        return torch.tanh(self.fc(x @ self.mix) * self.gain)
 
     def forward(self, x: Tensor) -> Tensor:
         return checkpoint(self.body, x, use_reentrant=False)
@@ -414,6 +416,30 @@ class RootReadsChild(nn.Module):
         if self.read == "transpose":
             return h @ weight.T
         return h * weight.sum()
+
+
+class KeepsAView(nn.Module):
+    """``child``'s forward keeps a transposed view of its weight; the root uses it after
+    ``other`` ran (so ``child``'s bucket, alone, was released in between)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.child = _ViewKeeper(5, 5)
+            self.other = nn.Linear(5, 5)
+        self.double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.child(x)
+        h = torch.tanh(self.other(h))
+        return h @ self.child.kept  # read through the stale view: fzero cannot see it
+
+
+class _ViewKeeper(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        self.kept = self.weight.T  # a view, taken while the bucket is gathered
+        return super().forward(x)
 
 
 def each_parameter_alone(model: nn.Module) -> list[list[str]]:

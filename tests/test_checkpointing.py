@@ -120,19 +120,17 @@ def test_stage3_recomputation_keeps_the_gathered_bound(mode: str, world: int) ->
         assert gathered >= plain["metrics"][0]["comm_bytes_by_kind"]["all_gather"] - largest
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "stage 3 gathers a bucket for recomputation from the pre-hooks of the modules that own its "
-    "parameters; a module that checkpoints its own forward's body (checkpoint(self.inner, x), "
-    "as transformers 5's GradientCheckpointingLayer does with `forward` so that hooks stay "
-    "outside) reads its *own* parameters during recomputation without its pre-hook running "
-    "again: a bucket released since raises torch's 'data is not allocated yet' in backward (a "
-    "matmul read, as here) or crashes the process with SIGSEGV (an elementwise read such as "
-    "x * self.gain; transformers has 12 such layers, e.g. Data2VecVisionLayer's layer scale, "
-    "DogeDecoderLayer)"))
-def test_stage3_checkpointed_body_reading_its_modules_own_parameter() -> None:
+@pytest.mark.parametrize("buckets", ["default", "alone"])
+def test_stage3_checkpointed_body_reading_its_modules_own_parameter(buckets: str) -> None:
+    """A module that checkpoints its own forward's body (checkpoint(self.inner, x), as
+    transformers 5's GradientCheckpointingLayer does with `forward`, so that hooks stay outside)
+    reads its *own* parameters during recomputation without its pre-hook running again: the
+    torch function guard gathers them (a matmul read, and an elementwise one that torch would
+    not bounds-check)."""
     model = gb.InnerCheckpointed()
     data = gb.mse_batches(STEPS, d_in=5, d_out=3)
-    out = fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, data, stage=3)
+    policy = None if buckets == "default" else gb.each_parameter_alone(model)
+    out = fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, data, stage=3, buckets=policy)
     gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, data))
 
 

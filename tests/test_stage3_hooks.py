@@ -2,8 +2,9 @@
 
 fzero's gathering pre-hooks run before the user's, so a user's forward pre-hook (or forward
 hook) that reads its module's weight sees the gathered values and trains like torch. A
-parameter read outside any module that owns it raises `fzero.OutsideOwnerError`, naming the
-reading module, the parameter and the `buckets=` remedy, and the remedy works.
+parameter read outside any module that owns it is gathered on demand (a torch function mode
+sees the read) and trains like torch too; only a view kept across modules, which the mode
+cannot trace back, raises `fzero.OutsideOwnerError`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from torch import Tensor, nn
 import fzero
 
 import guarantee_bodies as gb
-from dist_pool import WorkerError
 
 STAGES = (0, 1, 2, 3)
 STEPS = 3
@@ -64,7 +64,7 @@ def test_the_hooks_change_the_result() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Reading a parameter outside its owner
+# Reading a parameter outside its owner: the torch function guard gathers its bucket
 
 
 def square(steps: int) -> list[tuple[Tensor, Tensor]]:
@@ -72,80 +72,44 @@ def square(steps: int) -> list[tuple[Tensor, Tensor]]:
     return gb.mse_batches(steps, d_in=5, d_out=5)
 
 
-def outside_error(world: int, model: nn.Module, buckets: Any) -> list[dict[str, Any]]:
-    data = square(1)
-    outs = fzero.SimWorld(world).run(gb.train_through_failure, model, gb.mse_loss, data,
-                                     stage=3, fail={}, buckets=buckets)
-    return [out["errors"][0] for out in outs]
+READERS = {
+    "root matmul": lambda: gb.RootReadsChild(read="matmul"),
+    "root transpose": lambda: gb.RootReadsChild(read="transpose"),  # w.T: a view first
+    "root elementwise": lambda: gb.RootReadsChild(read="elementwise"),  # no bounds check
+    "nested reader": lambda: gb.ReadsChild(own=True),
+    "reader owning nothing": lambda: gb.ReadsChild(own=False, read_first=True),
+}
 
 
-def test_root_reading_a_childs_weight_names_it() -> None:
-    model = gb.RootReadsChild(read="matmul")
-    for error in outside_error(2, model, gb.each_parameter_alone(model)):
-        assert error["type"] == "OutsideOwnerError" and error["unchanged"]
-        message = error["message"]
-        assert "RootReadsChild" in message and "'child.weight'" in message
-        assert "buckets=" in message
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "Residency.explain maps only torch's 'data is not allocated yet' to OutsideOwnerError; "
-    "reading a released parameter through a view (w.T as F.linear does, w[0]) raises torch's "
-    "'setStorage: ... out of bounds for storage of size 0' RuntimeError, passed on unexplained"))
-def test_transposed_read_names_it() -> None:
-    model = gb.RootReadsChild(read="transpose")
-    for error in outside_error(2, model, gb.each_parameter_alone(model)):
-        assert error["type"] == "OutsideOwnerError" and "'child.weight'" in error["message"]
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "Residency.explain reads self.stack after the exception has unwound every module: the "
-    "post-hooks (always_call=True) popped them on the way out, so the error always names the "
-    "root module, never the module whose forward read the parameter (here 'parent')"))
-def test_nested_reader_is_named() -> None:
-    model = gb.ReadsChild(own=True)
-    for error in outside_error(2, model, gb.each_parameter_alone(model)):
-        assert error["type"] == "OutsideOwnerError"
-        assert "module 'parent' (Parent)" in error["message"]
-        assert "'parent.child.weight'" in error["message"]
-
-
-@pytest.mark.parametrize("policy", ["with_scale", "class"])
-def test_buckets_remedy_when_the_reader_owns_a_parameter(policy: str) -> None:
-    """The remedy the error names: the weight shares a bucket with a parameter the reading
-    module owns (listed explicitly, or by the reading module's class)."""
-    model = gb.ReadsChild(own=True, read_first=True)
-    alone = gb.each_parameter_alone(model)
-    assert outside_error(2, model, alone)[0]["type"] == "OutsideOwnerError"
-    buckets: Any = gb.Parent if policy == "class" else [
-        ["parent.child.weight", "parent.scale"],
-        *[names for names in alone if names[0] not in ("parent.child.weight", "parent.scale")]]
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_a_parameter_read_outside_its_owner_trains_exactly(reader: str, world: int) -> None:
+    """Every parameter in a bucket of its own, so nothing else keeps the read one gathered: a
+    read outside the owning module's hooks (a matmul, a transposed view, an elementwise op,
+    which torch would not even bounds-check) gathers its bucket first and trains like torch."""
+    model = READERS[reader]()
     data = square(STEPS)
-    out = fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, data, stage=3, buckets=buckets)
+    out = fzero.SimWorld(world).run(gb.train, model, gb.mse_loss, data, stage=3,
+                                    buckets=gb.each_parameter_alone(model))
     gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, data))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the remedy OutsideOwnerError suggests (buckets= sharing a bucket with parameters the "
-    "reading module owns, or a module class whose instances own it) cannot work when the "
-    "reading module owns no parameter directly: trigger_modules hooks only modules with "
-    "parameters of their own, so buckets=Parent still leaves the bucket released when "
-    "Parent.forward reads child.weight before any child runs"))
-def test_buckets_remedy_when_the_reader_owns_nothing() -> None:
-    model = gb.ReadsChild(own=False, read_first=True)
-    data = square(STEPS)
-    out = fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, data, stage=3, buckets=gb.Parent)
-    gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, data))
-
-
-@pytest.mark.xfail(strict=True, raises=WorkerError, reason=(
-    "an elementwise read of a released parameter outside its owner (w.sum(), w + 1, x * w) "
-    "dereferences the zero-byte storage fzero resizes released buckets to: torch does not "
-    "check, and the process dies with SIGSEGV instead of raising OutsideOwnerError (run in "
-    "gloo workers so that only a worker dies)"))
-def test_elementwise_read_raises_instead_of_crashing(gloo_pool: Any) -> None:
+def test_a_parameter_read_outside_its_owner_on_gloo(gloo_pool: Any) -> None:
+    """The elementwise read that would crash the process, in gloo workers (only they die)."""
     model = gb.RootReadsChild(read="elementwise")
-    outs = gloo_pool(2).run(gb.train_through_failure, model, gb.mse_loss, square(1),
-                            stage=3, fail={}, buckets=gb.each_parameter_alone(model))
+    data = square(STEPS)
+    out = gloo_pool(2).run(gb.train, model, gb.mse_loss, data, stage=3,
+                           buckets=gb.each_parameter_alone(model))
+    gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, data))
+
+
+def test_a_view_kept_across_modules_names_the_reader() -> None:
+    """A read the guard cannot see (a view of a parameter taken while its bucket was gathered
+    and used after the bucket was released) raises OutsideOwnerError, not garbage."""
+    model = gb.KeepsAView()
+    outs = fzero.SimWorld(2).run(gb.train_through_failure, model, gb.mse_loss, square(1),
+                                 stage=3, fail={}, buckets=gb.each_parameter_alone(model))
     for out in outs:
-        assert out["errors"][0]["type"] == "OutsideOwnerError"
+        error = out["errors"][0]
+        assert error["type"] == "OutsideOwnerError" and error["unchanged"], error
+        assert "'child.weight'" in error["message"]
