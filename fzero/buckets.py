@@ -135,8 +135,9 @@ class Reducer:
     previous reduction before it copies the next bucket. On one channel that cannot deadlock:
     launches follow one order, so whatever a rank waits for, the rank ahead has launched. Stage
     3 also gathers on another channel, and a rank whose computation differs (a skipped block)
-    may wait there for a rank that waits here: with `patience` (seconds) the wait gives up and
-    the reduction is collected later (`poll`, `finish`), trading memory for progress.
+    may wait there for a rank that waits here: with `patience` the wait gives up after four
+    times the typical (median) time a reduction has taken so far, at most `patience` seconds,
+    and the reduction is collected later (`poll`, `finish`), trading memory for progress.
     """
 
     def __init__(
@@ -154,6 +155,7 @@ class Reducer:
     ) -> None:
         assert mode in ("all_reduce", "scatter_full", "scatter_leaves"), mode
         self.patience = patience
+        self.durations: list[float] = []  # seconds from launch to done, of reductions waited for
         # With patience, a thread waits for each reduction on the host (a blocking wait, no
         # polling), so the step can give up waiting without giving up the reduction.
         self.waiter = ThreadPoolExecutor(1, thread_name_prefix="fzero-reduce-wait") if (
@@ -242,8 +244,23 @@ class Reducer:
                                                     label=f"of bucket {bucket.label!r}")))
 
     def _fly(self, index: int, pending: Pending) -> None:
-        host = self.waiter.submit(pending.wait_host) if self.waiter is not None else None
+        launched = time.monotonic()
+
+        def wait() -> float:
+            pending.wait_host()
+            return time.monotonic() - launched
+
+        host = self.waiter.submit(wait) if self.waiter is not None else None
         self.pending.append(_Flight(index, pending, host))
+
+    def _patience(self) -> float:
+        """Four times the median duration of the reductions waited for, within
+        [`_MIN_PATIENCE`, `patience`]; `_FIRST_PATIENCE` before any."""
+        assert self.patience is not None
+        if not self.durations:
+            return min(_FIRST_PATIENCE, self.patience)
+        recent = sorted(self.durations[-16:])
+        return min(self.patience, max(_MIN_PATIENCE, 4 * recent[len(recent) // 2]))
 
     def _settle_previous(self) -> None:
         """Wait for the reductions in flight (see the note), within `patience` if set."""
@@ -252,12 +269,13 @@ class Reducer:
                 self._settle(flight)
             self.pending = []
             return
-        deadline = time.monotonic() + self.patience
+        deadline = time.monotonic() + self._patience()
         while self.pending:
             flight = self.pending[0]
             assert flight.host is not None
             try:
-                flight.host.result(timeout=max(0.0, deadline - time.monotonic()))
+                self.durations.append(
+                    flight.host.result(timeout=max(0.0, deadline - time.monotonic())))
             except FutureTimeout:  # collected later: see the note
                 break
             self._settle(self.pending.pop(0))
@@ -281,13 +299,17 @@ class Reducer:
             self.results[index] = value
 
 
+_FIRST_PATIENCE = 0.05  # seconds, before any reduction was timed
+_MIN_PATIENCE = 0.005
+
+
 class _Flight(NamedTuple):
     """A reduction in flight: its bucket, its pending result, and (with patience) the future of
     the thread waiting for it on the host."""
 
     index: int
     pending: Pending
-    host: Future[None] | None
+    host: Future[float] | None
 
     def done(self) -> bool:
         return self.host.done() if self.host is not None else self.pending.is_completed()

@@ -71,9 +71,9 @@ __all__ = [
 
 LossFn = Callable[[Callable[..., Any], Any], Tensor]
 BUFFER_POLICIES = ("broadcast", "local")
-REDUCE_PATIENCE = 0.5
-"""Stage 3: seconds a bucket's reduction waits for the previous one inside backward (see
-`fzero.buckets.Reducer`)."""
+REDUCE_PATIENCE = 2.0
+"""Stage 3: the most seconds a bucket's reduction waits for the previous one inside backward
+(see `fzero.buckets.Reducer`: four times the typical reduction time, at most this)."""
 _CONTROL = "control"
 _GATHER = "stage3.gather"
 

@@ -37,11 +37,11 @@ def _one_intra_op_thread():
 
 @pytest.fixture
 def short_patience(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stage 3: a rank whose backward differs waits at most `REDUCE_PATIENCE` seconds for the
-    previous bucket's reduction before it moves on (fzero.buckets.Reducer); every divergent
-    step pays it once per deferred bucket (0.5 s by default: 4 steps of the "order" routes take
-    4 s instead of 0.06 s). The result must not depend on it: the SimWorld matrices run with
-    10 ms, which defers more reductions; the gloo tests keep the default."""
+    """Stage 3: a rank whose backward differs waits for the previous bucket's reduction at most
+    four times the typical reduction time (capped by `REDUCE_PATIENCE`) before it moves on
+    (fzero.buckets.Reducer), once per deferred bucket. The result must not depend on it: the
+    SimWorld matrices cap it at 10 ms, which defers more reductions; the gloo tests keep the
+    default."""
     import fzero.step
 
     monkeypatch.setattr(fzero.step, "REDUCE_PATIENCE", 0.01)
