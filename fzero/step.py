@@ -88,8 +88,10 @@ def decay_matrices(name: str, shape: tuple[int, ...]) -> bool:
 class MicroBatches(list):
     """Explicit micro-batches for one step: ``step(state, fzero.MicroBatches([mb1, mb2]))``.
 
-    The step averages the loss over them (one backward each). Without this wrapper a batch is
-    never taken apart by its container's length: it is split along dim 0 into `accum_steps`.
+    The step averages the micro-batches' losses with equal weights (one backward each), so it
+    equals the loss of the whole batch only when they have the same number of rows (give equal
+    ones, or weight the loss inside ``loss_fn``). Without this wrapper a batch is never taken
+    apart by its container's length: it is split along dim 0 into `accum_steps`.
     """
 
 
