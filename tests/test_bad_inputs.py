@@ -1,0 +1,745 @@
+"""Every public function, given bad input, raises a clear error and changes nothing.
+
+One table: each row calls one public function (`plan`, `shard`, `unshard`, `flatten`,
+`unflatten`, `collectives` and its `gather` / `scatter_grads`, `init`, `make_train_step`, the step
+itself, `make_eval_step`, `full_params`, `clone_state`, `save`, `load`, `consolidate`, the
+`fzero.optim` constructors and their `init` / `update`, `SimWorld`, `TorchComm`) with one wrong
+argument: a wrong type, shape, dtype or device (``meta`` where it cannot work), world size or rank;
+an empty model, a model with nothing to train, an integer parameter marked trainable,
+overlapping tensors, mixed devices, batches that do not split. On every rank of a `SimWorld`, the
+row asserts
+
+- the exception's type (ValueError / TypeError, `fzero.StepError` on the ranks that were given
+  good input, `fzero.checkpoint.CheckpointError` for files) and that its message names the
+  argument or parameter (a regular expression per row);
+- that nothing was modified: every tensor the call could reach (the model's parameters and
+  buffers, the inputs, the state's parameters, master copy, moments and buffers, its step, skip
+  count, loss scale and lease) is bitwise what it was, and every file under the row's directory
+  has the same bytes. (The state's gradient buffers are scratch: a step that fails after its
+  backward leaves that backward's gradients there, and the next step zeroes them first.)
+
+A row whose call passes silently, hangs, or raises an unclear error is a bug in fzero: it is
+marked ``xfail(strict=True)`` with the reason, so the row starts failing (and must be unmarked)
+the day it is fixed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import fzero
+from fzero.checkpoint import CheckpointError
+from fzero.comm import Comm
+
+from models import MLP, FrozenMix, split_batch
+
+ROWS = 8  # global batch rows: 4 per rank at N = 2
+
+
+class Case(NamedTuple):
+    """One row: `call(ctx)` must raise `error` with a message matching `match` on every rank.
+
+    `stage` builds ``ctx.state`` at that stage first (None: no state); `setup(ctx)` runs before
+    the "nothing changed" snapshot. `others` is ``(type, pattern)`` for ranks that raise another
+    error than the rank given the bad input (``bad_rank``: that rank; None: every rank). `bug`
+    marks a row fzero does not pass yet.
+    """
+
+    name: str
+    call: Callable[[Ctx], Any]
+    error: type[BaseException] | tuple[type[BaseException], ...]
+    match: str
+    world: int = 2
+    stage: int | None = None
+    setup: Callable[[Ctx], Any] | None = None
+    bad_rank: int | None = None
+    others: tuple[type[BaseException], str] | None = None
+    timeout: float = 30.0
+    bug: str | None = None
+
+
+class Ctx:
+    """What a row's call works on, for one rank: a model, its parameters, a layout, an
+    optimizer, this rank's batch, optionally a state, and a directory shared by the ranks."""
+
+    def __init__(self, comm: Comm, root: str, stage: int | None) -> None:
+        self.comm = comm
+        self.rank = comm.rank
+        self.root = root
+        self.model = MLP()
+        self.params = {k: v.detach().clone() for k, v in self.model.named_parameters()}
+        self.layout = fzero.plan(self.params, comm.world_size)
+        self.optimizer = fzero.optim.adamw(lr=1e-2, weight_decay=0.1)
+        self.batch = split_batch(MLP.make_batch(0, ROWS), comm.rank, comm.world_size)
+        self.held: list[Any] = []  # more tensors the row may touch, snapshotted too
+        self.state = None
+        if stage is not None:
+            self.state = fzero.init(self.model, stage=stage, optimizer=self.optimizer, comm=comm)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def step(self, **kwargs: Any) -> Callable[..., Any]:
+        return fzero.make_train_step(self.model, MLP.loss_fn, decay=None, **kwargs)
+
+    def save(self, name: str = "c") -> str:
+        fzero.save(self.state, self.path(name))
+        return self.path(name)
+
+    def consume(self) -> None:
+        """Take one step and keep the *consumed* input state as ``ctx.state``."""
+        old = self.state
+        self.new_state, _ = self.step()(old, self.batch)
+        self.state = old
+
+
+# ----------------------------------------------------------------------------------------------
+# "Nothing changed": a bitwise snapshot of everything a call can reach
+
+
+def _bits(t: Tensor) -> Tensor:
+    t = t.detach()
+    if t.is_meta:
+        return torch.tensor([hash((t.shape, t.dtype))])
+    return t.contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def _tensors(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, Tensor):
+        out[prefix] = (tuple(value.shape), value.dtype, str(value.device), _bits(value))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _tensors(v, f"{prefix}.{k}", out)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _tensors(v, f"{prefix}[{i}]", out)
+    elif value is not None:
+        out[prefix] = value
+
+
+def snapshot(ctx: Ctx) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    _tensors(dict(ctx.model.named_parameters()), "model", out)
+    _tensors(dict(ctx.model.named_buffers()), "model.buffer", out)
+    _tensors(ctx.params, "params", out)
+    _tensors(ctx.batch, "batch", out)
+    _tensors(ctx.held, "held", out)
+    state = ctx.state
+    if state is not None:
+        # Not `state.grads`: scratch that every step zeroes before its first backward and no
+        # one reads between steps (a save does not store them).
+        for part in ("params", "master", "moments", "buffers"):
+            _tensors(getattr(state, part), f"state.{part}", out)
+        for part in ("step", "skipped", "loss_scale", "param_steps", "stage"):
+            out[f"state.{part}"] = getattr(state, part)
+        out["state.consumed_by"] = state.lease.consumed_by
+    if ctx.rank == 0:
+        for folder, _, files in os.walk(ctx.root):
+            for name in files:
+                with open(os.path.join(folder, name), "rb") as f:
+                    out[f"file {os.path.relpath(os.path.join(folder, name), ctx.root)}"] = (
+                        hashlib.sha256(f.read()).hexdigest())
+    return out
+
+
+def changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    keys = sorted(set(before) | set(after))
+    diff = []
+    for key in keys:
+        a, b = before.get(key), after.get(key)
+        if isinstance(a, tuple) and a and isinstance(a[-1], Tensor):
+            same = isinstance(b, tuple) and a[:3] == b[:3] and torch.equal(a[3], b[3])
+        else:
+            same = a == b
+        if not same:
+            diff.append(key)
+    return diff
+
+
+def run_case(comm: Comm, case: Case, root: str) -> tuple[str, str, list[str]]:
+    """One rank: build, snapshot, call, snapshot; the error's type and message, what changed."""
+    ctx = Ctx(comm, root, case.stage)
+    if case.setup is not None:
+        case.setup(ctx)
+    comm.barrier()  # every rank's setup (e.g. a save) is complete before rank 0 hashes files
+    before = snapshot(ctx)
+    try:
+        case.call(ctx)
+    except Exception as error:  # what the row checks
+        raised: BaseException | None = error
+    else:
+        raised = None
+    comm.barrier()
+    after = snapshot(ctx)
+    if raised is None:
+        return "no error", "", changed(before, after)
+    return type(raised).__name__, str(raised), changed(before, after)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers the rows use
+
+
+def meta_module(model: nn.Module) -> nn.Module:
+    return model.to("meta")
+
+
+class Empty(nn.Module):
+    """No parameters at all."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.sum() * 0
+
+
+def int_param_model() -> nn.Module:
+    model = MLP()
+    model.count = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    return model
+
+
+def mixed_device_model() -> nn.Module:
+    model = MLP()
+    model.fc2.to("meta")
+    return model
+
+
+def shards(ctx: Ctx) -> list[tuple[Tensor, ...]]:
+    return [fzero.shard(ctx.params, ctx.layout, r) for r in range(ctx.layout.world_size)]
+
+
+def hold(ctx: Ctx, *values: Any) -> Any:
+    ctx.held.extend(values)
+    return values
+
+
+def optimizer_inputs(ctx: Ctx) -> None:
+    """params, grads and fresh AdamW moments of two flat tensors, held for the snapshot."""
+    params = [torch.randn(6, generator=torch.Generator().manual_seed(1)), torch.ones(5)]
+    grads = [torch.full((6,), 0.5), torch.full((5,), -0.25)]
+    ctx.opt_args = (grads, ctx.optimizer.init(params), params)
+    hold(ctx, *ctx.opt_args)
+
+
+def update(ctx: Ctx, *, grads: Any = None, moments: Any = None, params: Any = None,
+           step: Any = 1, **kwargs: Any) -> None:
+    g, m, p = ctx.opt_args
+    ctx.optimizer.update(g if grads is None else grads, m if moments is None else moments,
+                         p if params is None else params, step=step, **kwargs)
+
+
+def load(ctx: Ctx, **kwargs: Any) -> Any:
+    kwargs.setdefault("model", MLP())
+    kwargs.setdefault("comm", ctx.comm)
+    return fzero.load(ctx.path("c"), **kwargs)
+
+
+def init(ctx: Ctx, model: Any = None, **kwargs: Any) -> Any:
+    kwargs.setdefault("stage", 3)
+    kwargs.setdefault("optimizer", ctx.optimizer)
+    kwargs.setdefault("comm", ctx.comm)
+    return fzero.init(ctx.model if model is None else model, **kwargs)
+
+
+def per_rank(ctx: Ctx, bad: Any, good: Any) -> Any:
+    """`bad` on rank 1, `good` elsewhere."""
+    return bad if ctx.rank == 1 else good
+
+
+def rows(batch: tuple[Tensor, ...], n: int) -> tuple[Tensor, ...]:
+    return tuple(t[:n] for t in batch)
+
+
+def raise_in_init_fn(module: nn.Module) -> None:
+    raise ValueError(f"init_fn cannot initialize {type(module).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The table
+
+VE, TE, SE, CE = ValueError, TypeError, fzero.StepError, CheckpointError
+
+CASES = [
+    # --- plan ---------------------------------------------------------------------------------
+    Case("plan: world_size 0", lambda c: fzero.plan(c.params, 0), VE, "world_size"),
+    Case("plan: world_size a float", lambda c: fzero.plan(c.params, 2.0), VE, "world_size"),
+    Case("plan: world_size a bool", lambda c: fzero.plan(c.params, True), VE, "world_size"),
+    Case("plan: params an int", lambda c: fzero.plan(3, 2), TE, "params must be an nn.Module"),
+    Case("plan: a leaf is a list", lambda c: fzero.plan({"w": [1.0]}, 2), TE,
+         "parameter 'w' is a list"),
+    Case("plan: a name is not a str", lambda c: fzero.plan({1: torch.zeros(2)}, 2), TE,
+         "parameter names must be str"),
+    Case("plan: integer parameter marked trainable",
+         lambda c: fzero.plan({"n": torch.zeros(3, dtype=torch.int64)}, 2, trainable=["n"]), VE,
+         "parameter 'n' is trainable but has dtype torch.int64"),
+    Case("plan: trainable names an unknown parameter",
+         lambda c: fzero.plan(c.model, 2, trainable={"nope": True}), VE,
+         r"trainable= names unknown parameters: \['nope'\]"),
+    Case("plan: trainable a str", lambda c: fzero.plan(c.model, 2, trainable="fc1.weight"), TE,
+         "trainable must be"),
+    Case("plan: buckets a bool", lambda c: fzero.plan(c.model, 2, buckets=True), TE,
+         "buckets must be"),
+    Case("plan: buckets cap 0", lambda c: fzero.plan(c.model, 2, buckets=0), VE,
+         "bucket size cap must be >= 1"),
+    Case("plan: buckets a str", lambda c: fzero.plan(c.model, 2, buckets="fc1"), TE,
+         "buckets must be"),
+    Case("plan: buckets repeat a parameter",
+         lambda c: fzero.plan(c.model, 2, buckets=[["fc1.weight", "fc1.bias"],
+                                                   ["fc1.weight", "fc2.weight", "fc2.bias"]]),
+         VE, r"parameter 'fc1.weight' is in buckets\[0\] and buckets\[1\]"),
+    Case("plan: buckets miss a parameter",
+         lambda c: fzero.plan(c.model, 2, buckets=[["fc1.weight", "fc1.bias", "fc2.weight"]]),
+         VE, r"buckets= lists no bucket for parameters \['fc2.bias'\]"),
+    Case("plan: buckets a class with a mapping",
+         lambda c: fzero.plan(c.params, 2, buckets=nn.Linear), TE, "needs plan\\(model"),
+    Case("plan: cap 0", lambda c: fzero.plan(c.model, 2, cap=0), VE, "cap must be"),
+    # --- shard / unshard / flatten / unflatten ------------------------------------------------
+    Case("shard: rank == world_size", lambda c: fzero.shard(c.params, c.layout, 2), VE,
+         r"rank must be an int in \[0, 2\), got rank=2"),
+    Case("shard: rank -1", lambda c: fzero.shard(c.params, c.layout, -1), VE, "rank=-1"),
+    Case("shard: rank a bool", lambda c: fzero.shard(c.params, c.layout, True), VE, "rank=True"),
+    Case("shard: rank a str", lambda c: fzero.shard(c.params, c.layout, "0"), VE, "rank='0'"),
+    Case("shard: params a list", lambda c: fzero.shard(list(c.params.values()), c.layout, 0),
+         TE, "params must be a mapping"),
+    Case("shard: a parameter missing",
+         lambda c: fzero.shard({k: v for k, v in c.params.items() if k != "fc2.bias"}, c.layout,
+                               0), VE, "parameter 'fc2.bias' is missing"),
+    Case("shard: an unknown parameter",
+         lambda c: fzero.shard({**c.params, "extra": torch.zeros(1)}, c.layout, 0), VE,
+         r"parameters not in the layout: \['extra'\]"),
+    Case("shard: wrong shape",
+         lambda c: fzero.shard({**c.params, "fc1.weight": c.params["fc1.weight"].t()}, c.layout,
+                               0), VE, r"parameter 'fc1.weight' has shape \(7, 13\)"),
+    Case("shard: wrong dtype",
+         lambda c: fzero.shard({**c.params, "fc1.bias": c.params["fc1.bias"].double()}, c.layout,
+                               0), VE, "parameter 'fc1.bias' has .* dtype torch.float64"),
+    Case("shard: mixed devices",
+         lambda c: fzero.shard({**c.params, "fc1.bias": c.params["fc1.bias"].to("meta")},
+                               c.layout, 0), VE, r"several devices \['cpu', 'meta'\]"),
+    Case("flatten: a leaf not a tensor",
+         lambda c: fzero.flatten({**c.params, "fc2.bias": [0.0] * 5}, c.layout), TE,
+         "parameter 'fc2.bias' is a list"),
+    Case("flatten: wrong shape",
+         lambda c: fzero.flatten({**c.params, "fc2.bias": torch.zeros(6)}, c.layout), VE,
+         r"parameter 'fc2.bias' has shape \(6,\)"),
+    Case("unshard: one rank short", lambda c: fzero.unshard(shards(c)[:1], c.layout), VE,
+         "one shard list per rank: expected 2, got 1"),
+    Case("unshard: a shard too long",
+         lambda c: fzero.unshard([shards(c)[0], [torch.zeros(1000)]], c.layout), VE,
+         r"shards of rank 1: bucket 0 \('fc1'\) expects a 1-D float32 tensor"),
+    Case("unshard: a shard of another dtype",
+         lambda c: fzero.unshard([shards(c)[0], [s.double() for s in shards(c)[1]]], c.layout),
+         VE, "shards of rank 1: bucket 0 .* got shape .* dtype torch.float64"),
+    Case("unshard: shards on mixed devices",
+         lambda c: fzero.unshard([shards(c)[0], [s.to("meta") for s in shards(c)[1]]], c.layout),
+         VE, "shards of rank 1.*device", bug="torch.stack raises a RuntimeError naming neither "
+         "the rank nor the bucket ('Tensor on device meta is not on the expected device cpu!')"),
+    Case("unflatten: one bucket short", lambda c: fzero.unflatten([], c.layout), VE,
+         r"flats: expected one tensor per bucket \(1\), got 0"),
+    Case("unflatten: a 2-D buffer",
+         lambda c: fzero.unflatten([f.view(1, -1) for f in fzero.flatten(c.params, c.layout)],
+                                   c.layout), VE, r"flats: bucket 0 .* got shape \(1, 174\)"),
+    Case("unflatten: wrong length",
+         lambda c: fzero.unflatten([torch.zeros(3)], c.layout), VE,
+         "flats: bucket 0 .* of 174 elements, got shape"),
+    # --- collectives: gather, scatter_grads ---------------------------------------------------
+    Case("collectives: layout for another world size",
+         lambda c: fzero.collectives(fzero.plan(c.params, 3), c.comm), VE,
+         "planned for world_size=3 but the comm has world_size=2"),
+    Case("collectives: ranks planned different layouts",
+         lambda c: fzero.collectives(fzero.plan(c.params, 2, buckets=per_rank(c, 100, None)),
+                                     c.comm), VE, "layout fingerprint.*rank"),
+    Case("collectives: layout not a ShardLayout", lambda c: fzero.collectives({}, c.comm), TE,
+         "layout", bug="AttributeError: 'dict' object has no attribute 'world_size'"),
+    Case("collectives: comm None", lambda c: fzero.collectives(c.layout, None), TE, "comm",
+         bug="AttributeError: 'NoneType' object has no attribute 'world_size'"),
+    Case("collectives: integer reduce_dtype",
+         lambda c: fzero.collectives(c.layout, c.comm, reduce_dtype=torch.int32), TE,
+         "reduce_dtype", bug="accepted: scatter_grads then truncates float gradients to "
+         "integers without a word (init rejects the same reduce_dtype)"),
+    Case("gather: one shard short",
+         lambda c: fzero.collectives(c.layout, c.comm).gather([]), VE,
+         r"expected one shard per bucket \(1\), got 0"),
+    Case("gather: shard of the wrong length",
+         lambda c: fzero.collectives(c.layout, c.comm).gather([torch.zeros(5)]), VE,
+         r"shard of bucket 0 \('fc1'\) must be a 1-D float32 tensor of 87 elements"),
+    Case("gather: shard of the wrong dtype",
+         lambda c: fzero.collectives(c.layout, c.comm).gather(
+             [s.double() for s in shards(c)[c.rank]]), VE, "shard of bucket 0 .*float64"),
+    Case("gather: non-contiguous shard",
+         lambda c: fzero.collectives(c.layout, c.comm).gather(
+             [torch.zeros(174)[::2]]), VE, "input must be contiguous"),
+    Case("gather: bucket index out of range",
+         lambda c: fzero.collectives(c.layout, c.comm).gather(shards(c)[c.rank], buckets=[1]),
+         VE, r"buckets must be distinct indices in range\(1\), got \(1,\)"),
+    Case("gather: bucket index a bool",
+         lambda c: fzero.collectives(c.layout, c.comm).gather(shards(c)[c.rank], buckets=[True]),
+         VE, "buckets must be distinct indices"),
+    Case("scatter_grads: unknown parameter",
+         lambda c: fzero.collectives(c.layout, c.comm).scatter_grads({"w": torch.zeros(2)}), VE,
+         "gradient for unknown parameter 'w'"),
+    Case("scatter_grads: wrong shape",
+         lambda c: fzero.collectives(c.layout, c.comm).scatter_grads(
+             {"fc1.bias": torch.zeros(12)}), VE,
+         r"gradient of 'fc1.bias' has shape \(12,\), but the parameter has shape \(13,\)"),
+    Case("scatter_grads: a list, not a mapping",
+         lambda c: fzero.collectives(c.layout, c.comm).scatter_grads([torch.zeros(13)]), TE,
+         "grads", bug="AttributeError: 'list' object has no attribute 'items'"),
+    Case("scatter_grads: a gradient on meta",
+         lambda c: fzero.collectives(c.layout, c.comm).scatter_grads(
+             {"fc1.bias": torch.ones(13, device="meta")}), VE, "fc1.bias.*meta",
+         bug="accepted: the meta gradient is added as nothing, and the shards come back zero"),
+    # --- init ---------------------------------------------------------------------------------
+    Case("init: stage 4", lambda c: init(c, stage=4), VE, "stage must be one of"),
+    Case("init: stage a str", lambda c: init(c, stage="3"), VE, "stage must be one of"),
+    Case("init: stage a bool", lambda c: init(c, stage=True), VE, "stage must be one of"),
+    Case("init: a torch.optim optimizer", lambda c: init(c, optimizer=torch.optim.AdamW), TE,
+         "optimizer must be an fzero.optim.Optimizer"),
+    Case("init: integer param_dtype", lambda c: init(c, param_dtype=torch.int32), TE,
+         "param_dtype must be a floating torch.dtype"),
+    Case("init: param_dtype a str", lambda c: init(c, param_dtype="bfloat16"), TE,
+         "param_dtype must be a floating torch.dtype"),
+    Case("init: integer master_dtype", lambda c: init(c, master_dtype=torch.int64), TE,
+         "master_dtype must be a floating torch.dtype"),
+    Case("init: integer reduce_dtype", lambda c: init(c, reduce_dtype=torch.int32), TE,
+         "reduce_dtype must be a floating torch.dtype"),
+    Case("init: model a list", lambda c: init(c, model=[torch.zeros(2)]), TE,
+         "params must be an nn.Module or a mapping"),
+    Case("init: integer parameter marked trainable",
+         lambda c: init(c, model=int_param_model(), trainable=lambda name: True), VE,
+         "parameter 'count' is trainable but has dtype torch.int64"),
+    Case("init: meta model without init_fn or load", lambda c: init(c, model=meta_module(MLP())),
+         VE, r"parameters \['fc1.weight', .*\] are on the meta device: pass exactly one of"),
+    Case("init: both init_fn and load",
+         lambda c: init(c, model=meta_module(MLP()), init_fn=lambda m: None,
+                        load=lambda names: {}), VE, "pass exactly one of init_fn= .* or load="),
+    Case("init: init_fn for a materialized model", lambda c: init(c, init_fn=lambda m: None), VE,
+         "init_fn= and load= are for a model on the meta device"),
+    Case("init: mixed devices (part on meta)", lambda c: init(c, model=mixed_device_model()), VE,
+         r"parameters \['fc2.weight', 'fc2.bias'\] are on the meta device"),
+    Case("init: ranks hold different models",
+         lambda c: init(c, model=per_rank(c, FrozenMix(), MLP())), VE,
+         "layout fingerprint.*rank"),
+    Case("init: load= returns a wrong shape",
+         lambda c: init(c, model=meta_module(MLP()), load=lambda names: {n: torch.zeros(2)
+                                                                         for n in names}),
+         VE, r"parameter 'fc1.weight' has shape \(2,\), expected \(13, 7\)", timeout=2.0,
+         bug="load= runs on rank 0 only and raises there alone: the other ranks wait in the "
+         "bucket's broadcast until the collective timeout (a hang on gloo)"),
+    Case("init: init_fn raises",
+         lambda c: init(c, model=meta_module(MLP()), init_fn=raise_in_init_fn), VE,
+         "init_fn cannot initialize", timeout=2.0,
+         bug="init_fn runs on rank 0 only and raises there alone: the other ranks wait in the "
+         "bucket's broadcast until the collective timeout (a hang on gloo)"),
+    Case("init: device meta", lambda c: init(c, device="meta"), VE, "device",
+         bug="RuntimeError: Tensor.item() cannot be called on meta tensors"),
+    Case("init: comm None", lambda c: init(c, comm=None), TE, "comm",
+         bug="AttributeError: 'NoneType' object has no attribute 'world_size'"),
+    Case("init: a model with no parameters", lambda c: init(c, model=Empty()), VE,
+         "no parameters", bug="accepted: the first step then says 'the loss has no gradient "
+         "path to any trainable parameter; these got no gradient: []'"),
+    # --- make_train_step ----------------------------------------------------------------------
+    Case("make_train_step: accum_steps 0", lambda c: c.step(accum_steps=0), VE, "accum_steps"),
+    Case("make_train_step: accum_steps a float", lambda c: c.step(accum_steps=2.0), VE,
+         "accum_steps"),
+    Case("make_train_step: accum_steps a bool", lambda c: c.step(accum_steps=True), VE,
+         "accum_steps"),
+    Case("make_train_step: clip_norm 0", lambda c: c.step(clip_norm=0.0), VE, "clip_norm"),
+    Case("make_train_step: clip_norm NaN", lambda c: c.step(clip_norm=float("nan")), VE,
+         "clip_norm"),
+    Case("make_train_step: clip_norm a str", lambda c: c.step(clip_norm="1"), VE, "clip_norm"),
+    Case("make_train_step: clip_norm a bool", lambda c: c.step(clip_norm=True), VE, "clip_norm",
+         bug="accepted as 1.0 (accum_steps=True and max_skipped=True are refused)"),
+    Case("make_train_step: prefetch 3", lambda c: c.step(prefetch=3), VE, "prefetch"),
+    Case("make_train_step: buffers policy", lambda c: c.step(buffers="sync"), VE,
+         "buffers must be one of"),
+    Case("make_train_step: max_skipped 0", lambda c: c.step(max_skipped=0), VE, "max_skipped"),
+    Case("make_train_step: decay not callable",
+         lambda c: fzero.make_train_step(c.model, MLP.loss_fn, decay=3), TE,
+         "decay must be None or a function"),
+    Case("make_train_step: model a dict",
+         lambda c: fzero.make_train_step(c.params, MLP.loss_fn), TE, "model must be an nn.Module"),
+    Case("make_train_step: loss_fn not callable",
+         lambda c: fzero.make_train_step(c.model, 3), TE, "loss_fn",
+         bug="accepted; the first step raises \"'int' object is not callable\""),
+    Case("make_train_step: lr a str", lambda c: c.step(lr="0.1"), TE, "lr",
+         bug="accepted and parsed with float() (fzero.optim refuses a str lr with a TypeError)"),
+    Case("make_train_step: streams not SideStreams", lambda c: c.step(streams=3), TE, "streams",
+         bug="accepted; the first step raises AttributeError: 'int' object has no attribute "
+         "'launch'"),
+    # --- the step -----------------------------------------------------------------------------
+    Case("step: state not a ShardState", lambda c: c.step()(c.params, c.batch), TE,
+         "step needs a ShardState", stage=1),
+    Case("step: a consumed state", lambda c: c.step()(c.state, c.batch), VE,
+         "consumed by train step 1", stage=3, setup=Ctx.consume),
+    Case("step: a consumed state on one rank",
+         lambda c: c.step()(per_rank(c, c.state, c.new_state), c.batch), VE,
+         "consumed by train step 1", stage=3, setup=Ctx.consume, bad_rank=1,
+         others=(SE, r"rank\(s\) \[1\] could not start it")),
+    Case("step: rows do not split into accum_steps",
+         lambda c: c.step(accum_steps=3)(c.state, c.batch), VE,
+         r"batch tensor of shape \(4, 7\) does not split into accum_steps=3", stage=3),
+    Case("step: batch without a tensor and accum_steps 2",
+         lambda c: c.step(accum_steps=2)(c.state, None), VE,
+         "accum_steps=2 needs a batch with tensors", stage=2),
+    Case("step: empty MicroBatches", lambda c: c.step()(c.state, fzero.MicroBatches([])), VE,
+         r"MicroBatches\(\[\]\) holds no micro-batch", stage=1),
+    Case("step: ranks given different batch sizes",
+         lambda c: c.step()(c.state, per_rank(c, rows(c.batch, 3), c.batch)), SE,
+         r"batches of different sizes \(rows per rank \[4, 3\]\)", stage=3),
+    Case("step: another model",
+         lambda c: fzero.make_train_step(FrozenMix(), MLP.loss_fn)(c.state, c.batch), VE,
+         "was built for a different model: parameters only in the state", stage=0),
+    Case("step: another model on one rank",
+         lambda c: fzero.make_train_step(per_rank(c, FrozenMix(), c.model), MLP.loss_fn)(
+             c.state, c.batch), VE, "was built for a different model", stage=3, bad_rank=1,
+         others=(SE, r"rank\(s\) \[1\] could not start it")),
+    Case("step: a batch of another dtype",
+         lambda c: c.step()(c.state, (c.batch[0].double(), c.batch[1])), RuntimeError,
+         "same dtype", stage=3),
+    Case("step: a batch on meta",
+         lambda c: c.step()(c.state, tuple(t.to("meta") for t in c.batch)), RuntimeError,
+         "device", stage=2),
+    Case("step: a batch of the wrong width on one rank",
+         lambda c: c.step()(c.state, per_rank(c, (c.batch[0][:, :5], c.batch[1]), c.batch)),
+         RuntimeError, "shapes cannot be multiplied", stage=3, bad_rank=1,
+         others=(SE, r"rank\(s\) \[1\] raised")),
+    Case("step: a negative learning rate", lambda c: c.step(lr=-1.0)(c.state, c.batch), VE,
+         "lr must be a finite number >= 0.0, got lr=-1.0", stage=1),
+    Case("step: loss_fn returns a vector",
+         lambda c: fzero.make_train_step(c.model, lambda call, b: call(b[0]).sum(0))(
+             c.state, c.batch), VE, r"loss_fn must return a scalar .* got shape \(5,\)",
+         stage=3),
+    Case("step: every rank's batch has no rows",
+         lambda c: c.step()(c.state, rows(c.batch, 0)), VE, "rows", stage=1,
+         bug="accepted: a step over 0 rows reports loss NaN, skipped=False, and is applied "
+         "(AdamW's weight decay moves the parameters)"),
+    Case("step: a model with no trainable parameter",
+         lambda c: fzero.make_train_step(c.model, MLP.loss_fn)(
+             init(c, model=c.model, trainable=lambda name: False), c.batch), VE,
+         "no trainable parameter", bug="the message lists the parameters that got no gradient: "
+         "'[]', instead of saying the model has nothing to train"),
+    # --- make_eval_step -----------------------------------------------------------------------
+    Case("eval step: a consumed state",
+         lambda c: fzero.make_eval_step(c.model, MLP.loss_fn)(c.state, c.batch), VE,
+         "consumed by train step 1", stage=1, setup=Ctx.consume),
+    Case("eval step: a consumed state, stage 3",
+         lambda c: fzero.make_eval_step(c.model, MLP.loss_fn)(c.state, c.batch), VE,
+         "consumed by train step 1", stage=3, setup=Ctx.consume),
+    Case("eval step: another model",
+         lambda c: fzero.make_eval_step(FrozenMix(), MLP.loss_fn)(c.state, c.batch), VE,
+         "was built for a different model", stage=1),
+    Case("eval step: state not a ShardState",
+         lambda c: fzero.make_eval_step(c.model, MLP.loss_fn)(c.params, c.batch), TE,
+         "needs a ShardState", bug="AttributeError: 'dict' object has no attribute 'stage'"),
+    Case("make_eval_step: prefetch 5", lambda c: fzero.make_eval_step(c.model, MLP.loss_fn,
+                                                                      prefetch=5), VE, "prefetch",
+         bug="accepted (make_train_step refuses it)"),
+    Case("make_eval_step: model a dict", lambda c: fzero.make_eval_step(c.params, MLP.loss_fn),
+         TE, "model must be an nn.Module", bug="accepted (make_train_step refuses it)"),
+    # --- full_params, clone_state -------------------------------------------------------------
+    Case("full_params: a consumed state", lambda c: fzero.full_params(c.state), VE,
+         "full_params: this state was consumed by train step 1", stage=2, setup=Ctx.consume),
+    Case("full_params: not a state", lambda c: fzero.full_params(c.params), TE,
+         "full_params needs a ShardState"),
+    Case("clone_state: a consumed state", lambda c: fzero.clone_state(c.state), VE,
+         "clone_state: this state was consumed", stage=3, setup=Ctx.consume),
+    Case("clone_state: not a state", lambda c: fzero.clone_state(c.model), TE,
+         "clone_state needs a ShardState"),
+    # --- save, load, consolidate --------------------------------------------------------------
+    Case("save: not a state", lambda c: fzero.save(c.params, c.path("s")), TE,
+         "save needs a ShardState"),
+    Case("save: the path exists", lambda c: fzero.save(c.state, c.path("c")), CE,
+         "exists: pass overwrite=True", stage=3, setup=Ctx.save),
+    Case("save: extra not JSON", lambda c: fzero.save(c.state, c.path("s"), extra={"x": {1, 2}}),
+         TE, "extra must hold JSON values", stage=1),
+    Case("save: extra a list", lambda c: fzero.save(c.state, c.path("s"), extra=[1]), TE,
+         "extra must be a mapping", stage=1),
+    Case("save: a consumed state", lambda c: fzero.save(c.state, c.path("s")), VE,
+         "consumed by train step 1", stage=3, setup=Ctx.consume,
+         bug="accepted: the checkpoint holds the values after step 1 under step 0, so a resume "
+         "silently repeats a step"),
+    Case("load: no checkpoint there", lambda c: load(c), CE, "no checkpoint at .*c: no such"),
+    Case("load: stage 5", lambda c: load(c, stage=5), VE, "stage must be one of", stage=1,
+         setup=Ctx.save),
+    Case("load: another model", lambda c: load(c, model=FrozenMix()), CE,
+         "is a checkpoint of another model: parameters only in the checkpoint", stage=1,
+         setup=Ctx.save),
+    Case("load: model an int", lambda c: load(c, model=3), TE, "params must be an nn.Module",
+         stage=1, setup=Ctx.save),
+    Case("load: a torch.optim optimizer", lambda c: load(c, optimizer=torch.optim.AdamW), TE,
+         "optimizer must be an fzero.optim.Optimizer", stage=1, setup=Ctx.save),
+    Case("load: optimizer with other moments",
+         lambda c: load(c, optimizer=fzero.optim.sgd(lr=0.1, momentum=0.9)), CE,
+         r"holds optimizer moments \['exp_avg', 'exp_avg_sq'\]", stage=1, setup=Ctx.save),
+    Case("load: buckets cap 0", lambda c: load(c, buckets=0), VE, "bucket size cap", stage=1,
+         setup=Ctx.save),
+    Case("load: trainable an int", lambda c: load(c, trainable=3), TE, "trainable must be",
+         stage=1, setup=Ctx.save),
+    Case("load: path an int", lambda c: fzero.load(3, model=MLP(), comm=c.comm), TE, "path",
+         bug="os.fspath's TypeError ('expected str, bytes or os.PathLike object, not int') "
+         "does not name the argument"),
+    Case("load: integer param_dtype", lambda c: load(c, param_dtype=torch.int32), TE,
+         "param_dtype", stage=1, setup=Ctx.save,
+         bug="accepted: the state's parameters are cast to int32 without a word (init refuses "
+         "it)"),
+    Case("load: integer master_dtype", lambda c: load(c, master_dtype=torch.int64), TE,
+         "master_dtype", stage=1, setup=Ctx.save, bug="accepted (init refuses it)"),
+    Case("load: integer reduce_dtype", lambda c: load(c, reduce_dtype=torch.int64), TE,
+         "reduce_dtype", stage=2, setup=Ctx.save, bug="accepted (init refuses it)"),
+    Case("load: device meta", lambda c: load(c, device="meta"), VE, "device", stage=1,
+         setup=Ctx.save, bug="RuntimeError: Tensor.item() cannot be called on meta tensors"),
+    Case("load: comm None", lambda c: load(c, comm=None), TE, "comm", stage=1, setup=Ctx.save,
+         bug="AttributeError: 'NoneType' object has no attribute 'world_size'"),
+    Case("consolidate: another model", lambda c: fzero.consolidate(c.path("c"), model=FrozenMix()),
+         CE, "is not a checkpoint of this model", stage=1, setup=Ctx.save),
+    Case("consolidate: no checkpoint there", lambda c: fzero.consolidate(c.path("nothing")), CE,
+         "no checkpoint at"),
+    Case("consolidate: model an int", lambda c: fzero.consolidate(c.path("c"), model=3), TE,
+         "model", stage=1, setup=Ctx.save,
+         bug="AttributeError: 'int' object has no attribute 'state_dict'"),
+    # --- fzero.optim --------------------------------------------------------------------------
+    Case("adamw: lr negative", lambda c: fzero.optim.adamw(lr=-1e-3), VE, "lr must be", world=1),
+    Case("adamw: lr infinite", lambda c: fzero.optim.adamw(lr=float("inf")), VE, "lr must be",
+         world=1),
+    Case("adamw: lr a str", lambda c: fzero.optim.adamw(lr="1e-3"), TE, "lr must be a real",
+         world=1),
+    Case("adamw: beta1 == 1", lambda c: fzero.optim.adamw(betas=(1.0, 0.9)), VE,
+         r"betas\[0\] must be", world=1),
+    Case("adamw: betas a float", lambda c: fzero.optim.adamw(betas=0.9), VE,
+         "betas must be a pair", world=1),
+    Case("adamw: eps negative", lambda c: fzero.optim.adamw(eps=-1.0), VE, "eps must be",
+         world=1),
+    Case("adam: weight_decay negative", lambda c: fzero.optim.adam(weight_decay=-0.1), VE,
+         "weight_decay must be", world=1),
+    Case("sgd: momentum negative", lambda c: fzero.optim.sgd(lr=0.1, momentum=-0.9), VE,
+         "momentum must be", world=1),
+    Case("sgd: nesterov an int", lambda c: fzero.optim.sgd(lr=0.1, momentum=0.9, nesterov=1),
+         TE, "nesterov must be a bool", world=1),
+    Case("sgd: nesterov with dampening",
+         lambda c: fzero.optim.sgd(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True), VE,
+         "nesterov=True needs", world=1),
+    Case("optimizer init: integer params",
+         lambda c: c.optimizer.init([torch.zeros(3, dtype=torch.int32)]), VE,
+         r"params\[0\] must be floating point", world=1),
+    Case("optimizer init: a tensor, not a list", lambda c: c.optimizer.init(torch.zeros(3)), TE,
+         "params must be a sequence of tensors", world=1),
+    Case("update: step 0", lambda c: update(c, step=0), VE, "step must be an int >= 1",
+         world=1, setup=optimizer_inputs),
+    Case("update: step a float", lambda c: update(c, step=1.0), TE, "step must be an int",
+         world=1, setup=optimizer_inputs),
+    Case("update: lr NaN", lambda c: update(c, lr=float("nan")), VE, "lr must be a finite",
+         world=1, setup=optimizer_inputs),
+    Case("update: one gradient short", lambda c: update(c, grads=c.opt_args[0][:1]), VE,
+         r"len\(grads\)=1 does not match len\(params\)=2", world=1, setup=optimizer_inputs),
+    Case("update: a gradient of the wrong shape",
+         lambda c: update(c, grads=[torch.zeros(6), torch.zeros(4)]), VE,
+         r"grads\[1\] has shape=\(4,\)", world=1, setup=optimizer_inputs),
+    Case("update: an integer gradient",
+         lambda c: update(c, grads=[torch.zeros(6, dtype=torch.int64), torch.zeros(5)]), VE,
+         r"grads\[0\] has .*dtype=torch.int64", world=1, setup=optimizer_inputs),
+    Case("update: a gradient on meta",
+         lambda c: update(c, grads=[torch.zeros(6, device="meta"), torch.zeros(5)]), VE,
+         r"grads\[0\] has .*device=meta", world=1, setup=optimizer_inputs),
+    Case("update: a moment missing", lambda c: update(c, moments={"exp_avg": ()}), VE,
+         r"moments has keys \['exp_avg'\]", world=1, setup=optimizer_inputs),
+    Case("update: decay range past the end",
+         lambda c: update(c, decay=[[(0, 7)], []]), VE, r"decay\[0\] has range \(0, 7\)",
+         world=1, setup=optimizer_inputs),
+    Case("update: overlapping decay ranges",
+         lambda c: update(c, decay=[[(0, 4), (2, 6)], []]), VE, "overlapping ranges",
+         world=1, setup=optimizer_inputs),
+    Case("update: decay ranges of a non-contiguous parameter",
+         lambda c: c.optimizer.update(*c.held, step=1, decay=[[(0, 2)]]), VE,
+         r"params\[0\] must be contiguous", world=1,
+         setup=lambda c: hold(c, [torch.zeros(2, 3).t()], c.optimizer.init([torch.zeros(2, 3).t()]),
+                              [torch.ones(2, 3).t()])),
+    Case("update: the same parameter twice",
+         lambda c: update(c, grads=[c.opt_args[0][0]] * 2,
+                          moments=c.optimizer.init([c.opt_args[2][0]] * 2),
+                          params=[c.opt_args[2][0]] * 2), VE, "overlap", world=1,
+         setup=optimizer_inputs, bug="accepted: the tensor is updated twice per step"),
+    Case("update: overlapping parameters",
+         lambda c: update(c, grads=[torch.ones(4), torch.ones(4)],
+                          moments=c.optimizer.init([torch.ones(4)] * 2),
+                          params=[c.opt_args[2][0][:4], c.opt_args[2][0][2:]]), VE, "overlap",
+         world=1, setup=optimizer_inputs,
+         bug="accepted: the shared elements are updated twice, with each tensor's moments"),
+    # --- SimWorld, TorchComm ------------------------------------------------------------------
+    Case("SimWorld: 0 ranks", lambda c: fzero.SimWorld(0), VE, "SimWorld needs n >= 1", world=1),
+    Case("SimWorld: n a float", lambda c: fzero.SimWorld(2.0), VE, "n=2.0", world=1),
+    Case("SimWorld: n a str", lambda c: fzero.SimWorld("2"), VE, "n='2'", world=1),
+    Case("SimWorld: timeout 0", lambda c: fzero.SimWorld(2, timeout=0), VE,
+         "timeout > 0 seconds", world=1),
+    Case("SimWorld: timeout NaN", lambda c: fzero.SimWorld(2, timeout=float("nan")), VE,
+         "timeout > 0 seconds", world=1),
+    Case("SimWorld: timeout a str", lambda c: fzero.SimWorld(2, timeout="1"), VE,
+         "timeout", world=1,
+         bug="TypeError: '>' not supported between instances of 'str' and 'int'"),
+    Case("SimWorld.run: fn not callable", lambda c: fzero.SimWorld(2).run(3), fzero.SimWorldError,
+         "'int' object is not callable", world=1),
+    Case("TorchComm: no process group", lambda c: fzero.TorchComm(), VE,
+         "TorchComm needs an initialized torch.distributed process group", world=1),
+]
+
+
+def _param(case: Case) -> Any:
+    marks = [pytest.mark.xfail(strict=True, reason=case.bug)] if case.bug else []
+    return pytest.param(case, id=case.name, marks=marks)
+
+
+@pytest.mark.parametrize("case", [_param(case) for case in CASES])
+def test_bad_input_raises_clearly_and_changes_nothing(case: Case, tmp_path) -> None:
+    results = fzero.SimWorld(case.world, timeout=case.timeout).run(run_case, case, str(tmp_path))
+    for rank, (kind, message, diff) in enumerate(results):
+        error, pattern = case.error, case.match
+        if case.others is not None and case.bad_rank is not None and rank != case.bad_rank:
+            error, pattern = case.others
+        names = tuple(e.__name__ for e in (error if isinstance(error, tuple) else (error,)))
+        assert kind in names, f"rank {rank}: expected {names}, got {kind}: {message}"
+        assert re.search(pattern, message), f"rank {rank}: {pattern!r} not in {message!r}"
+        assert not diff, f"rank {rank}: the failed call changed {diff}"
+
+
+def test_the_table_covers_every_public_function() -> None:
+    """A new public function gets rows, or a reason here why not."""
+    covered = {case.name.split(":")[0].split(" ")[0] for case in CASES}
+    not_called_with_bad_input = {
+        "Bucket", "Entry", "ShardLayout", "ShardState", "LossScale", "Comm", "CommCounters",
+        "Work", "Pending", "Collectives", "Streams", "EmulatedStreams", "SimComm",  # types
+        "CollectiveError", "CollectiveTimeout", "StepError", "SimWorldError",
+        "OutsideOwnerError",  # errors
+        "checkpoint", "memory", "optim",  # modules (their functions have rows or own tests)
+        "MicroBatches", "decay_matrices", "bucket_shards",  # a list, a rule, a view helper
+        "distributed", "init_distributed", "destroy_distributed",  # tests/test_comm.py
+    }
+    aliases = {"update": "optim", "adamw": "optim", "adam": "optim", "sgd": "optim",
+               "optimizer": "optim", "eval": "make_eval_step", "SimWorld.run": "SimWorld",
+               "step": "make_train_step", "gather": "collectives", "scatter_grads": "collectives"}
+    covered |= {aliases.get(name, name) for name in covered}
+    missing = set(fzero.__all__) - covered - not_called_with_bad_input
+    assert not missing, f"public functions without bad-input rows: {sorted(missing)}"
+
+
+def test_torch_comm_arguments_over_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TorchComm`'s own arguments, over a one-process gloo group made here."""
+    from fzero.launch import _SLURM_VARS, _TORCHRUN_VARS
+
+    for name in (*_TORCHRUN_VARS, *_SLURM_VARS):
+        monkeypatch.delenv(name, raising=False)
+    with fzero.distributed(backend="gloo"):
+        with pytest.raises(TypeError, match="timeout must be a timedelta, positive seconds"):
+            fzero.TorchComm(timeout=-1)
+        with pytest.raises(TypeError, match="timeout must be a timedelta, positive seconds"):
+            fzero.TorchComm(timeout="5")
+        with pytest.raises(ValueError, match=r"transport must be one of \('single', 'per_rank'\)"):
+            fzero.TorchComm(transport="ring")
+        with pytest.raises(ValueError, match="Group 3 is not registered"):
+            fzero.TorchComm(group=3)
