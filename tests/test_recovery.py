@@ -3,10 +3,11 @@ resumes by itself and ends bitwise where the uninterrupted run ends; a process S
 it saves leaves the previous checkpoint complete, found by `latest` and loaded bitwise.
 
 [Note: torchrun restarts on torch 2.13]
-torchrun's c10d rendezvous shares one TCPStore with the workers by default, and on torch 2.13 that
-store outlives a restart with no per-attempt prefix (the regression of pytorch/pytorch#135712):
-the restarted workers read the killed workers' gloo addresses and fail to connect ("Connection
-refused"), or hang in `connectFullMesh` until the group's timeout. Measured here: the first
+torchrun's c10d rendezvous shares one TCPStore with the workers by default. On torch 2.13 the
+agent creates that store once and every restart attempt reuses it (same MASTER_PORT) with no
+per-attempt prefix, the problem of pytorch/pytorch#135712: the restarted workers can read the
+killed workers' gloo addresses and fail to connect ("Connection refused"), or hang in
+`connectFullMesh` until the group's timeout. Measured here: the first
 restart failed in 3 of 3 killed runs of this test's job (one then hung for 10 minutes) and in 2
 of 3 runs of a 10-line script without fzero. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (for the
 torchrun process) gives every attempt its own store: the tests set it, as any job that relies on
