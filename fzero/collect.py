@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from fzero.comm import Comm, Work, fingerprint_check
+from fzero.comm import Comm, Work, check_comm, fingerprint_check
 from fzero.flat import unflatten
 from fzero.layout import Bucket, ShardLayout
 
@@ -315,6 +315,14 @@ def collectives(
     Raises:
         ValueError: the world sizes differ, or ranks planned different layouts.
     """
+    if not isinstance(layout, ShardLayout):
+        raise TypeError(f"collectives: layout must be a ShardLayout (from fzero.plan), got "
+                        f"{type(layout).__name__}")
+    check_comm(comm, "collectives")
+    if reduce_dtype is not None and not (
+            isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+        raise TypeError(f"reduce_dtype must be a floating torch.dtype or None, got "
+                        f"{reduce_dtype!r}")
     if comm.world_size != layout.world_size:
         raise ValueError(
             f"the layout is planned for world_size={layout.world_size} but the comm has "
@@ -359,7 +367,7 @@ def collectives(
         issued before the first is waited on.
         """
         indices = _bucket_indices(layout, buckets, len(layout.buckets))
-        _check_grads(grads, layout, located)
+        _check_grads(grads, layout, located, device)
         pending = []
         for i in indices:
             bucket = layout.buckets[i]
@@ -464,8 +472,12 @@ def _check_shard(shard: Tensor, layout: ShardLayout, index: int) -> None:
 
 
 def _check_grads(
-    grads: Mapping[str, Tensor], layout: ShardLayout, located: Mapping[str, Any]
+    grads: Mapping[str, Tensor], layout: ShardLayout, located: Mapping[str, Any],
+    device: torch.device,
 ) -> None:
+    if not isinstance(grads, Mapping):
+        raise TypeError(f"scatter_grads needs a mapping of parameter names to gradients, got "
+                        f"{type(grads).__name__}")
     for name, grad in grads.items():
         if name not in located:
             raise ValueError(f"gradient for unknown parameter {name!r}")
@@ -474,6 +486,11 @@ def _check_grads(
             got = tuple(grad.shape) if isinstance(grad, Tensor) else type(grad).__name__
             raise ValueError(
                 f"gradient of {name!r} has shape {got}, but the parameter has shape {entry.shape}"
+            )
+        if grad.device != device:
+            raise ValueError(
+                f"gradient of {name!r} is on {grad.device}, but the comm's tensors are on "
+                f"{device}: move it there first"
             )
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "CommBase",
     "CommCounters",
     "Work",
+    "check_comm",
     "fingerprint_check",
     "ring_bytes",
 ]
@@ -600,6 +601,16 @@ def _fingerprint_int64(value: int | str) -> int:
         return value
     digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
+
+
+def check_comm(comm: object, what: str) -> Comm:
+    """`comm` itself if it is a communicator, else a TypeError naming `what` needs one."""
+    if not isinstance(comm, Comm):
+        raise TypeError(
+            f"{what} needs comm=, a communicator (fzero.TorchComm, or the comm a SimWorld rank "
+            f"gets), got {type(comm).__name__}"
+        )
+    return comm
 
 
 def fingerprint_check(comm: Comm, value: int | str, what: str) -> None:

@@ -129,6 +129,14 @@ def unshard(
         )
     for rank, shards in enumerate(shards_by_rank):
         _check_buffers(shards, layout, f"shards of rank {rank}", lambda b: b.shard_numel)
+    for index, bucket in enumerate(layout.buckets):
+        first = shards_by_rank[0][index].device
+        for rank, shards in enumerate(shards_by_rank):
+            if shards[index].device != first:
+                raise ValueError(
+                    f"shards of rank {rank}: bucket {index} ({bucket.label!r}) is on "
+                    f"{shards[index].device}, rank 0's on {first}: move them to one device"
+                )
     flats = []
     for index in range(len(layout.buckets)):
         stacked = torch.stack([shards[index] for shards in shards_by_rank])  # (world, shard)

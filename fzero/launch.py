@@ -191,6 +191,7 @@ def init_distributed(
     if dist.is_initialized():
         return TorchComm()
     env = parse_launch_env(os.environ)
+    _check_restart_store(os.environ)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     dev = _pick_device(backend, env.local_rank, device)
@@ -212,6 +213,22 @@ def init_distributed(
             **kwargs,
         )
     return TorchComm()
+
+
+RESTART_STORE_HELP = (
+    "this process is a restart (TORCHELASTIC_RESTART_COUNT={count}) of a torchrun job whose "
+    "workers share the agent's TCP store; on torch 2.x that store keeps the dead workers' "
+    "addresses, and the restarted group fails to connect or hangs (pytorch/pytorch#135712). "
+    "Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, e.g. "
+    "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts 2 ...`"
+)
+
+
+def _check_restart_store(environ: Mapping[str, str]) -> None:
+    """Refuse a torchrun restart that would rendezvous through a stale shared store."""
+    count = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and count not in ("", "0"):
+        raise RuntimeError(RESTART_STORE_HELP.format(count=count))
 
 
 def destroy_distributed() -> None:

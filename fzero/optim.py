@@ -207,6 +207,26 @@ def _check_params(params: object, what: str = "params") -> list[Tensor]:
     return list(params)
 
 
+def _check_disjoint(params: list[Tensor]) -> None:
+    """No two parameters share an element (each would be updated twice, with its own moments)."""
+    spans = []
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        low = p.storage_offset()
+        high = low + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride(),
+                                                                   strict=True)) + 1
+        spans.append((p.untyped_storage().data_ptr(), low * p.element_size(),
+                      high * p.element_size(), i))
+    spans.sort()
+    for (base_a, _, end_a, a), (base_b, start_b, _, b) in zip(spans, spans[1:], strict=False):
+        if base_a == base_b and start_b < end_a:
+            raise ValueError(
+                f"params[{a}] and params[{b}] overlap in memory: each element would be updated "
+                f"twice; give every parameter once"
+            )
+
+
 def _check_like(name: str, tensors: object, params: list[Tensor]) -> list[Tensor]:
     """``tensors`` has one tensor per param with the same shape, dtype and device."""
     if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence):
@@ -325,6 +345,7 @@ def _checked_call(
     step = _check_step(step)
     lr_t = _resolve_lr(schedule, lr, step)
     ps = _check_params(params)
+    _check_disjoint(ps)
     gs = _check_like("grads", grads, ps)
     _check_moments(moments, names, ps)
     spans = _decay_spans(decay, ps) if weight_decay != 0 else []

@@ -346,7 +346,7 @@ class SimWorld:
     def __init__(self, n: int, *, timeout: float = 30.0, copy_args: bool = True) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"SimWorld needs n >= 1 ranks, got {n=!r}")
-        if not timeout > 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ValueError(f"SimWorld needs timeout > 0 seconds, got {timeout=!r}")
         self.n = n
         self.timeout = float(timeout)

@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from fzero import memory
-from fzero.comm import Comm, fingerprint_check
+from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite, flatten, shard_view
 from fzero.layout import Bucket, Entry, ShardLayout, plan
 from fzero.optim import Optimizer
@@ -40,6 +40,7 @@ __all__ = [
     "ShardConfig",
     "ShardState",
     "STAGES",
+    "check_dtypes",
     "check_finite",
     "check_live",
     "clone_state",
@@ -155,6 +156,53 @@ class ShardState:
     def rank(self) -> int:
         """This rank."""
         return self.config.comm.rank
+
+
+def check_dtypes(**dtypes: torch.dtype | None) -> None:
+    """Raise unless every given dtype is a floating torch.dtype or None (names the argument)."""
+    for what, dtype in dtypes.items():
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"{what} must be a floating torch.dtype or None, got {dtype!r}")
+
+
+def state_device(device: torch.device | str | None, comm: Comm) -> torch.device:
+    """Where a state lives: `device`, else the comm's device (CPU for gloo); never ``meta``."""
+    resolved = torch.device(device if device is not None else getattr(comm, "device", "cpu"))
+    if resolved.type == "meta":
+        raise ValueError(
+            "device='meta' cannot hold a training state (it has no values); the model may live "
+            "on meta, the state needs a real device (default: the comm's)"
+        )
+    return resolved
+
+
+def _on_rank0(comm: Comm, make: Callable[[], Any], what: str) -> Any:
+    """`make()` on rank 0 (which alone runs `init_fn` / `load`), its success shared with every
+    rank first: if it raised, rank 0 re-raises it and every other rank raises too, instead of
+    waiting in the broadcast that would have followed."""
+    value, error = None, None
+    if comm.rank == 0:
+        try:
+            value = make()
+        except Exception as caught:  # shared below, then re-raised
+            error = caught
+    else:
+        value = make()  # other ranks only allocate (see _bucket_source)
+    device = getattr(comm, "device", "cpu")
+    status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
+    comm.broadcast(status, src=0, label=f"of whether rank 0 could initialize {what}")
+    if not status.item():
+        return value
+    text = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:400] if error else b""
+    message = torch.zeros(400, dtype=torch.uint8, device=device)
+    if text:
+        message[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    comm.broadcast(message, src=0, label="of rank 0's initialization error")
+    if error is not None:
+        raise error
+    said = bytes(message.tolist()).rstrip(b"\0").decode("utf-8", "replace")
+    raise ValueError(f"init: rank 0's init_fn / load= raised while initializing {what}: {said}; "
+                     f"nothing was built")
 
 
 def check_finite(flat: Tensor, bucket: Bucket) -> None:
@@ -319,13 +367,12 @@ def init(
             f"optimizer must be an fzero.optim.Optimizer (e.g. fzero.optim.adamw()), "
             f"got {type(optimizer).__name__}"
         )
-    for what, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
-                        ("master_dtype", master_dtype)):
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"{what} must be a floating torch.dtype or None, got {dtype!r}")
-    device = torch.device(device) if device is not None else getattr(comm, "device", "cpu")
-    device = torch.device(device)
+    check_dtypes(param_dtype=param_dtype, reduce_dtype=reduce_dtype, master_dtype=master_dtype)
+    check_comm(comm, "init")
+    device = state_device(device, comm)
     source_layout = plan(model, comm.world_size, buckets=buckets, trainable=trainable)
+    if not source_layout.buckets:
+        raise ValueError("init: the model has no parameters: there is nothing to train")
     layout = source_layout.cast(param_dtype) if param_dtype is not None else source_layout
     if master_dtype is None:
         master_dtype = _default_master_dtype(source_layout)
@@ -334,7 +381,7 @@ def init(
     source = _bucket_source(model, comm.rank, device, init_fn, load)
     params, grads, master = [], [], []
     for index, bucket in enumerate(source_layout.buckets):
-        truth = source(bucket)  # (padded,) in the model's own dtype, on `device`
+        truth = _on_rank0(comm, lambda b=bucket: source(b), f"bucket {bucket.label!r}")
         comm.broadcast(truth, src=0, label=f"of bucket {bucket.label!r}'s initial values")
         check_finite(truth, bucket)  # every rank holds rank 0's values: all decide alike
         # Stage 3 keeps a copy of its shard, so the full buffer is freed after this bucket.
@@ -358,7 +405,8 @@ def init(
     trainable_master = [m for m in master if m is not None]
     moments = optimizer.init(trainable_master)
     moments = {name: _spread(values, master) for name, values in moments.items()}
-    buffers = _buffers(model, comm.rank, device, init_fn, load)
+    buffers = _on_rank0(comm, lambda: _buffers(model, comm.rank, device, init_fn, load),
+                        "the buffers")
     if param_dtype is not None:  # as model.to(param_dtype) would
         buffers = {n: b.to(param_dtype) if b.is_floating_point() else b for n, b in buffers.items()}
     for value in buffers.values():

@@ -147,8 +147,19 @@ def make_train_step(
     """
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps=}")
-    if clip_norm is not None and not (isinstance(clip_norm, int | float) and clip_norm > 0):
+    if clip_norm is not None and (isinstance(clip_norm, bool) or not (
+            isinstance(clip_norm, int | float) and clip_norm > 0)):
         raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm=}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function (call, batch) -> scalar loss, got "
+                        f"{type(loss_fn).__name__}")
+    if lr is not None and not callable(lr) and (
+            isinstance(lr, bool) or not isinstance(lr, int | float)):
+        raise TypeError(f"lr must be a number, a schedule step -> lr, or None, got {lr!r}")
+    if streams is not None and not all(callable(getattr(streams, m, None))
+                                       for m in ("launch", "before")):
+        raise TypeError(f"streams must be side streams (fzero.Streams, fzero.EmulatedStreams) "
+                        f"or None, got {type(streams).__name__}")
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2 buckets, got {prefetch=}")
     if isinstance(max_skipped, bool) or not isinstance(max_skipped, int) or max_skipped < 1:
@@ -171,7 +182,13 @@ def make_train_step(
         try:  # checks that may fail on one rank only: reported to all through the header
             check_live(state, "step")
             check_structure(model, state.layout)
+            if not state.trainable:
+                raise ValueError("step: the state has no trainable parameter (every parameter "
+                                 "is frozen): there is nothing to train; use make_eval_step")
             micro_batches = split_batch(batch, accum_steps)
+            if _rows(micro_batches) == 0:
+                raise ValueError("step: the batch has no rows (every tensor's dim 0 is 0): a "
+                                 "mean over no rows is undefined")
         except (TypeError, ValueError) as exc:
             problem = exc
         with state.config.comm.scope(f"train step {state.step + 1}"):
@@ -256,9 +273,18 @@ def make_eval_step(
     every rank must call it (with batches that may run different modules); below stage 3 it is
     local. The state is not consumed and its buffers are not changed.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not callable(fn):
+        raise TypeError(f"fn must be a function (call, batch) -> result, got {type(fn).__name__}")
+    if prefetch not in (0, 1, 2):
+        raise ValueError(f"prefetch must be 0, 1 or 2 buckets, got {prefetch=}")
     binder = Binder(model)
 
     def evaluate(state: ShardState, batch: Any) -> Any:
+        if not isinstance(state, ShardState):
+            raise TypeError(f"evaluate needs a ShardState (from fzero.init), got "
+                            f"{type(state).__name__}")
         if state.stage < 3:  # local: no collective, so checks may raise here
             check_live(state, "evaluate")
             check_structure(model, state.layout)

@@ -22,11 +22,11 @@ from fzero.checkpoint.files import ShardFile
 from fzero.checkpoint.manifest import CheckpointError, Manifest, read_manifest
 from fzero.checkpoint.mapping import compare, reads
 from fzero.checkpoint.verify import verify
-from fzero.comm import Comm, fingerprint_check
+from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite
 from fzero.layout import ShardLayout, _parse_dtype, plan
 from fzero.optim import Optimizer, OptimizerSpec, from_spec
-from fzero.state import STAGES, ShardState
+from fzero.state import STAGES, ShardState, check_dtypes, state_device
 
 __all__ = ["Reader", "load"]
 
@@ -82,7 +82,11 @@ def load(
             optimizer state without `weights_only`, or an optimizer whose moments differ.
         ValueError: bad `stage`, or ranks disagree on the layout.
     """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"load: path must be a str or os.PathLike, got {type(path).__name__}")
     path = os.fspath(path)
+    check_comm(comm, "load")
+    check_dtypes(param_dtype=param_dtype, master_dtype=master_dtype, reduce_dtype=reduce_dtype)
     manifest = read_manifest(path)
     saved = manifest.state
     stage = manifest.stage if stage is None else stage
@@ -96,7 +100,7 @@ def load(
     param_dtype = _dtype(saved["param_dtype"]) if param_dtype is None else param_dtype
     master_dtype = _dtype(saved["master_dtype"]) if master_dtype is None else master_dtype
     reduce_dtype = _dtype(saved["reduce_dtype"]) if reduce_dtype is None else reduce_dtype
-    device = torch.device(device if device is not None else getattr(comm, "device", "cpu"))
+    device = state_device(device, comm)
     layout = _layout(path, manifest, model, comm.world_size, buckets, trainable, param_dtype,
                      weights_only)
     optimizer = _optimizer(path, manifest, optimizer, weights_only)

@@ -180,8 +180,12 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """
     path = os.fspath(path)
     if not os.path.exists(path):
-        partial = os.path.exists(path + PARTIAL_SUFFIX)
-        hint = f" ({path}{PARTIAL_SUFFIX} exists: a save that did not finish)" if partial else ""
+        hint = ""
+        if os.path.isfile(os.path.join(path + ".old", MANIFEST)):
+            hint = (f" ({path}.old holds the checkpoint an overwriting save renamed away before "
+                    f"it was interrupted: rename it back, or load {path}.old)")
+        elif os.path.exists(path + PARTIAL_SUFFIX):
+            hint = f" ({path}{PARTIAL_SUFFIX} exists: a save that did not finish)"
         raise CheckpointError(f"no checkpoint at {path}: no such file or directory{hint}")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is a file, not an fzero checkpoint (a directory with "

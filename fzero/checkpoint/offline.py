@@ -70,6 +70,9 @@ def consolidate(
     Raises:
         CheckpointError: as `fzero.load`, or `model` has names or shapes the checkpoint lacks.
     """
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"consolidate: model must be an nn.Module or None, got "
+                        f"{type(model).__name__}")
     path = os.fspath(path)
     manifest = read_manifest(path)
     verify(path, manifest, checksums=verify_checksums)

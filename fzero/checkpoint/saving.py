@@ -36,7 +36,7 @@ from fzero.checkpoint.manifest import (
     shard_name,
 )
 from fzero.comm import Comm
-from fzero.state import ShardState
+from fzero.state import ShardState, check_live
 
 __all__ = ["fzero_version", "save"]
 
@@ -76,6 +76,15 @@ def save(
         raise TypeError(f"save needs a ShardState (from fzero.init or fzero.load), got "
                         f"{type(state).__name__}")
     comm = state.config.comm
+    # A consumed state (one a train step updated in place) would be stored under the wrong
+    # step, and a resume would repeat a step; every rank learns whether any rank's is.
+    consumed = [row[0] for row in _gather(comm, [state.lease.consumed_by or 0])]
+    if any(consumed):
+        if state.lease.consumed_by is not None:
+            check_live(state, "save")  # raises this rank's own error
+        raise CheckpointError(
+            f"save: the state of rank(s) {[r for r, c in enumerate(consumed) if c]} was "
+            f"consumed by a train step; save the state that step returned")
     path = os.path.abspath(os.fspath(path))
     partial = path + PARTIAL_SUFFIX
     extra = check_json(extra)
