@@ -62,22 +62,34 @@ def test_loss_scale_backs_off_and_grows() -> None:
     interval=st.integers(1, 7),
     growth=st.sampled_from([2.0, 4.0]),
     backoff=st.sampled_from([0.5, 0.25]),
+    floor=st.sampled_from([0.0, 1.0, 2.0**10]),
 )
 def test_loss_scale_follows_the_grad_scaler_rule(
-    finite: list[bool], interval: int, growth: float, backoff: float
+    finite: list[bool], interval: int, growth: float, backoff: float, floor: float
 ) -> None:
-    """torch.amp.GradScaler's update rule, replayed step by step."""
-    state = LossScale(scale=2.0**16, growth=growth, backoff=backoff, interval=interval)
+    """torch.amp.GradScaler's update rule, replayed step by step, backing off never below
+    `floor` (floor 0 is GradScaler's rule exactly)."""
+    state = LossScale(
+        scale=2.0**16, growth=growth, backoff=backoff, interval=interval, floor=floor
+    )
     scale, streak = 2.0**16, 0
     for ok in finite:
         state = state.after(ok)
         if not ok:
-            scale, streak = scale * backoff, 0
+            scale, streak = max(scale * backoff, floor), 0
         else:
             streak += 1
             if streak == interval:
                 scale, streak = scale * growth, 0
         assert (state.scale, state.good_steps) == (scale, streak)
+
+
+def test_loss_scale_backs_off_to_the_floor_not_below() -> None:
+    """Regression (hypothesis): nine overflows in a row at backoff 0.25 stop at the floor."""
+    state = LossScale(scale=2.0**16, backoff=0.25, interval=1)
+    for _ in range(9):
+        state = state.after(False)
+    assert state.scale == 1.0 and state.at_floor
 
 
 # ----------------------------------------------------------------------------------------------
