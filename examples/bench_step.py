@@ -22,6 +22,10 @@ time in one round is the median over ``--steps`` timed steps after ``--warmup``;
 median of the round medians and their spread (min–max), so slow drifts of the machine hit every
 row alike. Under torchrun only rank 0 drives; the others exit at once.
 
+fzero's rows move the module to ``meta`` after `fzero.init` (its values were copied into the
+state; fzero calls it only as a function), as a user does to free that memory; the other
+trainers use the module's own tensors as their parameters.
+
 State bytes are the persistent model state a rank holds after a step: parameters, gradients
 and optimizer state, each storage once (FSDP2 and ZeroRedundancyOptimizer: the local shards;
 fzero: ``metrics["state_bytes"]``; DeepSpeed: the tensors its ZeRO optimizer holds: parameters
@@ -266,6 +270,7 @@ def build_fzero(model: nn.Module, stage: int, comm):
     state = fzero.init(
         model, stage=stage, optimizer=optimizer, comm=comm, param_dtype=torch.float32
     )
+    model.to("meta")  # fzero needs the module only as a function: drop its own 4Ψ bytes
     train_step = fzero.make_train_step(model, loss_fn, decay=DECAY)
     box = {"state": state, "metrics": {}}
 
