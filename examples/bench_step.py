@@ -40,9 +40,11 @@ overlap = (t_compute + t_comm - t_step) / min(t_compute, t_comm).
 
 Every row also reports the machine's load: the 1-minute load average when it started, and the
 cores used by *other* processes during its timed steps (all busy CPU time from /proc/stat minus
-what the row's own processes used, over the wall time). ``--quiet`` waits (up to
-``--quiet-wait`` seconds) before each row until the other processes use less than that many
-cores.
+what the row's own processes used, over the wall time). On a shared machine, ``--quiet CORES``
+waits (up to ``--quiet-wait`` seconds) before each row until other processes use fewer cores,
+and takes the median over the row's *quiet* rounds only (others below CORES during its steps;
+the loaded rounds are shown in brackets), running the rows that have no quiet round again, up
+to ``--max-rounds``.
 """
 
 from __future__ import annotations
@@ -468,17 +470,21 @@ def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.0f}" if seconds >= 0.0995 else f"{seconds * 1e3:,.1f}"
 
 
-def summarize(rounds: list[dict]) -> dict:
-    """A row over its rounds: median of the round medians, their spread, worst peak RSS."""
-    ok = [r for r in rounds if "error" in r or "ranks" in r]
-    done = [r for r in ok if "ranks" in r]
+def is_quiet(result: dict, quiet: float | None) -> bool:
+    """Whether other processes used fewer than `quiet` cores during the row's timed steps."""
+    return "ranks" in result and (quiet is None or result.get("others_cores", 0.0) < quiet)
+
+
+def summarize(rounds: list[dict], quiet: float | None) -> dict:
+    """A row over its rounds: median of the (quiet) round medians, worst peak RSS."""
+    done = [r for r in rounds if "ranks" in r]
     if not done:
-        return {"error": next((r["error"] for r in ok if "error" in r), "did not run")}
-    medians = [r["median"] for r in done]
+        return {"error": next((r["error"] for r in rounds if "error" in r), "did not run")}
+    used = [r for r in done if is_quiet(r, quiet)] or done
     nranks = len(done[0]["ranks"])
     out = {
-        "median": statistics.median(medians),
-        "medians": medians,
+        "median": statistics.median(r["median"] for r in used),
+        "medians": [(r["median"], r in used) for r in done],
         "steps": [t for r in done for t in r["per_step"]],
         "peak": [max(r["ranks"][k]["rss_peak_mib"] for r in done) for k in range(nranks)],
         "delta": [max(r["ranks"][k]["rss_peak_mib"] - r["ranks"][k]["rss_before_mib"]
@@ -491,7 +497,7 @@ def summarize(rounds: list[dict]) -> dict:
         "failed_rounds": len(rounds) - len(done),
     }
     if "comm_median" in done[0]:
-        out["comm"] = statistics.median(r["comm_median"] for r in done)
+        out["comm"] = statistics.median(r["comm_median"] for r in used)
         out["collectives"] = done[0]["ranks"][0]["collectives"]
     return out
 
@@ -503,6 +509,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per row and round")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="times every row runs, interleaved")
+    ap.add_argument("--max-rounds", type=int, default=None,
+                    help="with --quiet: run rows without a quiet round again, up to this many")
     ap.add_argument("--rows", default=None, help="comma-separated subset, e.g. ddp,fsdp2")
     ap.add_argument("--no-overlap", action="store_true", help="skip fzero's t_compute/t_comm")
     ap.add_argument("--quiet", type=float, default=None, metavar="CORES",
@@ -556,13 +564,17 @@ def main() -> None:
         f"GPT {cfg.n_layer} layers x d {cfg.d_model}, seq {cfg.seq_len}: Ψ = {psi:,} "
         f"({psi * 4 / 2**20:,.1f} MiB fp32); global batch {batch}; {args.nproc} ranks on {device}, "
         f"{max(1, cpus // args.nproc)} threads each; per round the median of {args.steps} steps "
-        f"after {args.warmup} warm-up; {args.rounds} rounds, interleaved\n"
+        f"after {args.warmup} warm-up; {args.rounds} rounds, interleaved"
+        + (f"; medians over the rounds in which other processes used < {args.quiet} cores "
+           f"(up to {args.max_rounds or args.rounds} rounds)" if args.quiet is not None else "")
+        + "\n"
     )
 
     per_round: dict[str, list[dict]] = {r: [] for r in runs}
     with tempfile.TemporaryDirectory() as tmp:
-        for rnd in range(args.rounds):
-            for row in runs:
+        rnd, todo = 0, runs
+        while todo:
+            for row in todo:
                 others = wait_until_quiet(args) if args.quiet is not None else None
                 load = os.getloadavg()[0]
                 t0 = time.perf_counter()
@@ -573,9 +585,17 @@ def main() -> None:
                                                              else "")
                 status = res.get("error") or f"{fmt_ms(res['median'])} ms"
                 quiet = f", others {others:.2f} cores before" if others is not None else ""
+                if "others_cores" in res:
+                    quiet += f", others {res['others_cores']:.2f} cores during"
                 print(f"  round {rnd + 1}: {label:<38} {status}  ({time.perf_counter() - t0:.0f}"
                       f" s, load {load:.2f}{quiet})", flush=True)
-    results = {row: summarize(per_round[row]) for row in runs}
+            rnd += 1
+            todo = runs if rnd < args.rounds else [
+                row for row in runs
+                if rnd < (args.max_rounds or args.rounds)
+                and not any(is_quiet(r, args.quiet) for r in per_round[row])
+            ]
+    results = {row: summarize(per_round[row], args.quiet) for row in runs}
     results.update({row: {"error": why} for row, why in skipped.items() if row in rows})
     print_tables(rows, results, args, cfg, batch)
     failed = [row for row in rows if "error" in results[row] and row not in skipped]
@@ -589,7 +609,7 @@ def print_tables(rows, results, args, cfg, batch) -> None:
         return f"{res['median'] / results[base]['median']:.2f}" if ok else "-"
 
     print(
-        "\n| trainer | step ms: median of rounds (round medians) | tokens/s | vs DDP "
+        "\n| trainer | step ms: median of rounds (each round's; [loaded]) | tokens/s | vs DDP "
         "| vs ZeRO-opt | vs FSDP2 | state MiB/rank | peak RSS MiB/rank (Δ from start) "
         "| last loss | load 1 min / others' cores |"
     )
@@ -601,7 +621,7 @@ def print_tables(rows, results, args, cfg, batch) -> None:
             print(f"| {LABELS[row]} | not run: {res['error']} | | | | | | | | |")
             continue
         state = "-" if min(res["state"]) < 0 else fmt_mib(res["state"])
-        rounds = ", ".join(fmt_ms(m) for m in res["medians"])
+        rounds = ", ".join(fmt_ms(m) if used else f"[{fmt_ms(m)}]" for m, used in res["medians"])
         failed = f"; {res['failed_rounds']} round(s) failed" if res["failed_rounds"] else ""
         load = "/".join(f"{x:.1f}" for x in res["load"])
         others = "/".join(f"{x:.2f}" for x in res["others"]) or "-"
