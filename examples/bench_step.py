@@ -38,13 +38,15 @@ instant, so each rank still updates Ψ/N and runs the same Python), and t_comm r
 real group the exact collectives that step issued (data and control channels), alone. Then
 overlap = (t_compute + t_comm - t_step) / min(t_compute, t_comm).
 
-Every row also reports the machine's load: the 1-minute load average when it started, and the
-cores used by *other* processes during its timed steps (all busy CPU time from /proc/stat minus
-what the row's own processes used, over the wall time). On a shared machine, ``--quiet CORES``
-waits (up to ``--quiet-wait`` seconds) before each row until other processes use fewer cores,
-and takes the median over the row's *quiet* rounds only (others below CORES during its steps;
-the loaded rounds are shown in brackets), running the rows that have no quiet round again, up
-to ``--max-rounds``.
+The CPU column is the CPU time all of a row's processes used per timed step (every thread,
+gloo's included): the work a trainer does, which other processes on the machine change far
+less than its wall time. Every row also reports the machine's load: the 1-minute load average
+when it started, and the cores used by *other* processes during its timed steps (all busy CPU
+time from /proc/stat minus what the row's own processes used, over the wall time). On a shared
+machine, ``--quiet CORES`` waits (up to ``--quiet-wait`` seconds) before each row until other
+processes use fewer cores, and takes the median over the row's *quiet* rounds only (others below
+CORES during its steps; the loaded rounds are shown in brackets), running the rows that have no
+quiet round again, up to ``--max-rounds``.
 """
 
 from __future__ import annotations
@@ -434,6 +436,7 @@ def run_row(row: str, args: argparse.Namespace, tmp: str) -> dict:
             ranks.append(json.load(f))
     per_step = [max(ts) for ts in zip(*(r["times"] for r in ranks), strict=True)]  # slowest rank
     out = {"ranks": ranks, "per_step": per_step, "median": statistics.median(per_step)}
+    out["cpu_per_step"] = sum(r["cpu_seconds"] for r in ranks) / len(per_step)
     busy = ranks[0]["machine_busy_seconds"]
     if busy is not None:  # cores other processes used while this row's steps ran
         wall = max(r["wall_seconds"] for r in ranks)
@@ -485,7 +488,7 @@ def summarize(rounds: list[dict], quiet: float | None) -> dict:
     out = {
         "median": statistics.median(r["median"] for r in used),
         "medians": [(r["median"], r in used) for r in done],
-        "steps": [t for r in done for t in r["per_step"]],
+        "cpu": statistics.median(r["cpu_per_step"] for r in used),
         "peak": [max(r["ranks"][k]["rss_peak_mib"] for r in done) for k in range(nranks)],
         "delta": [max(r["ranks"][k]["rss_peak_mib"] - r["ranks"][k]["rss_before_mib"]
                       for r in done) for k in range(nranks)],
@@ -610,15 +613,15 @@ def print_tables(rows, results, args, cfg, batch) -> None:
 
     print(
         "\n| trainer | step ms: median of rounds (each round's; [loaded]) | tokens/s | vs DDP "
-        "| vs ZeRO-opt | vs FSDP2 | state MiB/rank | peak RSS MiB/rank (Δ from start) "
-        "| last loss | load 1 min / others' cores |"
+        "| vs ZeRO-opt | vs FSDP2 | CPU ms/step, all ranks | state MiB/rank "
+        "| peak RSS MiB/rank (Δ from start) | last loss | load 1 min / others' cores |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     tokens = batch * cfg.seq_len
     for row in rows:
         res = results[row]
         if "error" in res:
-            print(f"| {LABELS[row]} | not run: {res['error']} | | | | | | | | |")
+            print(f"| {LABELS[row]} | not run: {res['error']} | | | | | | | | | |")
             continue
         state = "-" if min(res["state"]) < 0 else fmt_mib(res["state"])
         rounds = ", ".join(fmt_ms(m) if used else f"[{fmt_ms(m)}]" for m, used in res["medians"])
@@ -628,7 +631,7 @@ def print_tables(rows, results, args, cfg, batch) -> None:
         print(
             f"| {LABELS[row]} | {fmt_ms(res['median'])} ({rounds}{failed}) "
             f"| {tokens / res['median']:,.0f} | {ratio(res, 'ddp')} | {ratio(res, 'ddp_zero')} "
-            f"| {ratio(res, 'fsdp2')} | {state} | {fmt_mib(res['peak'])} "
+            f"| {ratio(res, 'fsdp2')} | {fmt_ms(res['cpu'])} | {state} | {fmt_mib(res['peak'])} "
             f"({fmt_mib(res['delta'])}) | {res['loss']:.4f} | {load} / {others} |"
         )
     cuda = [(row, results[row]) for row in rows if any(results[row].get("cuda") or [])]
