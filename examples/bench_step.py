@@ -1,33 +1,68 @@
 """Step time and memory of data-parallel trainers side by side, on one model, in one run.
 
-    torchrun --standalone --nproc-per-node 2 examples/bench_step.py --size small
-    python examples/bench_step.py --nproc 2 --size small          # the same, without torchrun
+    python examples/bench_step.py --nproc 2 --size small                # every row, 2 rounds
+    python examples/bench_step.py --nproc 2 --size 30m --rows ddp,fzero_1 --rounds 3
+    torchrun --standalone --nproc-per-node 2 examples/bench_step.py --size small   # the same
 
 Rows: DDP + torch.optim.AdamW; DDP + ZeroRedundancyOptimizer(AdamW); FSDP2 (`fully_shard` per
-block, then the root); fzero stages 1, 2, 3; DeepSpeed ZeRO 1, 2, 3 when `deepspeed` imports.
-Every row trains the GPT of `train_gpt.py` from the same seed on the same token batches with the
-same AdamW hyperparameters (weight decay on matrices only), so the last-step losses agree too.
+block, then the root); fzero stages 1, 2, 3; DeepSpeed ZeRO 1, 2, 3 (when `deepspeed` is
+installed: ``pip install -e ".[bench]"``; on CPU it runs with ``DS_ACCELERATOR=cpu``, which this
+script sets). Every row trains the GPT of `train_gpt.py` from the same seed on the same token
+batches, in fp32, with AdamW(lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on the
+parameters with 2+ dims, `fzero.decay_matrices`, none on biases and norms): torch rows use
+torch.optim.AdamW with two parameter groups, fzero ``decay=fzero.decay_matrices``, DeepSpeed its
+own ``"AdamW"`` optimizer (FusedAdam; on CPU a C++ op it compiles on first use) with the same
+groups. So the last-step losses agree too.
 
 Each row runs in a fresh set of ``nproc`` spawned processes (gloo on CPU, NCCL on CUDA), so a
 row's peak RSS (the kernel's VmHWM high-water mark, reset at exec) is its own. Per step, the
-ranks meet at a barrier and then time the step; a step's time is the slowest rank's, and the
-table gives the median over ``--steps`` timed steps after ``--warmup`` (min–max). Under torchrun
-only rank 0 drives; the others exit at once. State bytes are the persistent model state a rank
-owns: parameters, gradients and optimizer state, each storage once (FSDP2 and ZeRO optimizer:
-the local shards; fzero: ``metrics["state_bytes"]``).
+ranks meet at a barrier and then time the step; a step's time is the slowest rank's. A row's
+time in one round is the median over ``--steps`` timed steps after ``--warmup``; the rows run
+``--rounds`` times, interleaved (every row, then every row again), and the table gives the
+median of the round medians and their spread (min–max), so slow drifts of the machine hit every
+row alike. Under torchrun only rank 0 drives; the others exit at once.
+
+fzero's rows move the module to ``meta`` after `fzero.init` (its values were copied into the
+state; fzero calls it only as a function), as a user does to free that memory; the other
+trainers use the module's own tensors as their parameters.
+
+State bytes are the persistent model state a rank holds after a step: parameters, gradients
+and optimizer state, each storage once (FSDP2 and ZeroRedundancyOptimizer: the local shards;
+fzero: ``metrics["state_bytes"]``; DeepSpeed: the tensors its ZeRO optimizer holds: parameters
+or their partitions, fp32 master partitions, moments, gradient partitions; its reduce buckets,
+allocated at ``reduce_bucket_size`` and touched only in part, are scratch, not counted).
+
+For each fzero row a second set of processes measures where the step's time goes, at the
+same N: t_compute is the same step with `nocomm.NoComm` as its comm (collectives local and
+instant, so each rank still updates Ψ/N and runs the same Python), and t_comm replays on the
+real group the exact collectives that step issued (data and control channels), alone. Then
+overlap = (t_compute + t_comm - t_step) / min(t_compute, t_comm).
+
+The CPU column is the CPU time all of a row's processes used per timed step (every thread,
+gloo's included): the work a trainer does, which other processes on the machine change far
+less than its wall time. Every row also reports the machine's load: the 1-minute load average
+when it started, and the cores used by *other* processes during its timed steps (all busy CPU
+time from /proc/stat minus what the row's own processes used, over the wall time). On a shared
+machine, ``--quiet CORES`` waits (up to ``--quiet-wait`` seconds) before each row until other
+processes use fewer cores, and takes the median over the row's *quiet* rounds only (others below
+CORES during its steps; the loaded rounds are shown in brackets), running the rows that have no
+quiet round again, up to ``--max-rounds``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import cProfile
+import importlib.util
 import json
 import os
+import resource
+import shlex
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import torch
 import torch.distributed as dist
@@ -35,26 +70,25 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nocomm import NoComm, open_channels, replay  # noqa: E402
 from train_gpt import GPT, GPTConfig, loss_fn, num_params  # noqa: E402
 
 import fzero  # noqa: E402
 
-try:
-    import deepspeed
-except ImportError:  # optional
-    deepspeed = None
-
 SIZES = {  # name: (model config, global batch in sequences)
+    "tiny": (GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=32), 4),  # CI: runs at all
     "small": (GPTConfig(), 16),
     # Short sequences and small batches keep a CPU step to seconds: the comparison is about the
     # trainers' overheads, memory and communication, which scale with Ψ, not with tokens.
     "30m": (GPTConfig(seq_len=128, n_layer=10, n_head=8, d_model=512), 8),
     "300m": (GPTConfig(seq_len=64, n_layer=24, n_head=16, d_model=1024), 4),
 }
-LR, BETAS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 0.1
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.1
+DECAY = fzero.decay_matrices  # every row: decay parameters with 2+ dims, not biases and norms
 TORCH_ROWS = ("ddp", "ddp_zero", "fsdp2")
 FZERO_ROWS = ("fzero_1", "fzero_2", "fzero_3")
 DEEPSPEED_ROWS = ("deepspeed_1", "deepspeed_2", "deepspeed_3")
+COMPUTE = "/compute"  # suffix of the rows that measure an fzero row's t_compute and t_comm
 LABELS = {
     "ddp": "DDP + AdamW",
     "ddp_zero": "DDP + ZeroRedundancyOptimizer",
@@ -69,7 +103,7 @@ LABELS = {
 
 
 # -----------------------------------------------------------------------------
-# Measurement helpers (run inside the workers)
+# Measurement helpers
 
 
 def rss_mib(field: str) -> float:
@@ -81,9 +115,32 @@ def rss_mib(field: str) -> float:
                     return int(line.split()[1]) / 1024  # kB -> MiB
     except OSError:
         pass
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_seconds() -> float:
+    """CPU time this process used so far (all its threads: gloo's too), user + system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds every process on the machine has used (all cores), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_cores(seconds: float = 1.0) -> float | None:
+    """Cores the machine keeps busy now, sampled over `seconds` (this driver sleeps meanwhile)."""
+    before = machine_busy_seconds()
+    time.sleep(seconds)
+    after = machine_busy_seconds()
+    return None if before is None or after is None else (after - before) / seconds
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -95,18 +152,47 @@ def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views and ties counted once)."""
     seen = {}
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
+        if isinstance(t, torch.Tensor) and t.numel() > 0:
             s = local(t).untyped_storage()
             seen[(s.device, s.data_ptr())] = s.nbytes()
     return sum(seen.values())
 
 
-def decay_groups(params) -> list[dict]:
-    """AdamW groups as fzero decays: matrices (dim >= 2) decayed, biases and norms not."""
-    params = [p for p in params if p.requires_grad]
+def reachable_tensors(root, depth: int, skip: tuple[str, ...]) -> list[torch.Tensor]:
+    """Tensors reachable from `root` through containers and the attributes of DeepSpeed and
+    torch.optim objects (not modules: their parameters are listed apart), `depth` levels deep,
+    except attributes whose name contains one of `skip`."""
+    found, seen = [], set()
+
+    def visit(obj, level: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+            return
+        if level == 0 or id(obj) in seen or isinstance(obj, nn.Module):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            children = list(obj.values())
+        elif isinstance(obj, list | tuple):
+            children = list(obj)
+        elif type(obj).__module__.startswith(("deepspeed", "torch.optim")):
+            children = [v for k, v in vars(obj).items() if not any(s in k for s in skip)]
+        else:
+            return
+        for child in children:
+            visit(child, level - 1)
+
+    visit(root, depth)
+    return found
+
+
+def decay_groups(model: nn.Module) -> list[dict]:
+    """AdamW parameter groups by `DECAY`, the rule fzero's rows pass as ``decay=``."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for n, p in named if DECAY(n, tuple(p.shape))],
+         "weight_decay": WEIGHT_DECAY},
+        {"params": [p for n, p in named if not DECAY(n, tuple(p.shape))], "weight_decay": 0.0},
     ]
 
 
@@ -132,22 +218,16 @@ def build_ddp(model: nn.Module, device, zero: bool):
 
     ids = [device.index] if device.type == "cuda" else None
     ddp = DDP(model, device_ids=ids, gradient_as_bucket_view=True)
+    groups = decay_groups(model)
     if zero:
-        groups = decay_groups(model.parameters())
         opt = ZeroRedundancyOptimizer(
-            groups[0]["params"],
-            optimizer_class=torch.optim.AdamW,
-            lr=LR,
-            betas=BETAS,
-            weight_decay=WEIGHT_DECAY,
-            foreach=True,
+            groups[0]["params"], optimizer_class=torch.optim.AdamW, lr=LR, betas=BETAS,
+            eps=EPS, weight_decay=WEIGHT_DECAY, foreach=True,
         )
         opt.add_param_group(groups[1])
         local_opt = opt.optim
     else:
-        opt = local_opt = torch.optim.AdamW(
-            decay_groups(model.parameters()), lr=LR, betas=BETAS, foreach=True
-        )
+        opt = local_opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, foreach=True)
 
     def step(batch):
         opt.zero_grad(set_to_none=False)  # keep the bucket-view gradients: measured below
@@ -172,7 +252,7 @@ def build_fsdp2(model: nn.Module, device, world: int):
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(decay_groups(model.parameters()), lr=LR, betas=BETAS, foreach=True)
+    opt = torch.optim.AdamW(decay_groups(model), lr=LR, betas=BETAS, eps=EPS, foreach=True)
 
     def step(batch):
         opt.zero_grad(set_to_none=False)
@@ -189,13 +269,13 @@ def build_fsdp2(model: nn.Module, device, world: int):
     return step, state_bytes
 
 
-def build_fzero(model: nn.Module, stage: int):
-    comm = fzero.TorchComm()
-    optimizer = fzero.optim.adamw(lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+def build_fzero(model: nn.Module, stage: int, comm):
+    optimizer = fzero.optim.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     state = fzero.init(
         model, stage=stage, optimizer=optimizer, comm=comm, param_dtype=torch.float32
     )
-    train_step = fzero.make_train_step(model, loss_fn)
+    model.to("meta")  # fzero needs the module only as a function: drop its own 4Ψ bytes
+    train_step = fzero.make_train_step(model, loss_fn, decay=DECAY)
     box = {"state": state, "metrics": {}}
 
     def step(batch):
@@ -206,13 +286,24 @@ def build_fzero(model: nn.Module, stage: int):
 
 
 def build_deepspeed(model: nn.Module, stage: int, micro_batch: int):
+    import logging
+
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
+        "optimizer": {  # DeepSpeed's own AdamW (FusedAdam), the groups' decay as the others'
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},
+        },
+        "zero_optimization": {"stage": stage},  # DeepSpeed's defaults otherwise; fp32
+        "steps_per_print": 10**9,
     }
-    opt = torch.optim.AdamW(decay_groups(model.parameters()), lr=LR, betas=BETAS, foreach=True)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    engine, optimizer, *_ = deepspeed.initialize(
+        model=model, model_parameters=decay_groups(model), config=config
+    )
 
     def step(batch):
         loss = loss_fn(engine, batch)
@@ -220,113 +311,108 @@ def build_deepspeed(model: nn.Module, stage: int, micro_batch: int):
         engine.step()
         return loss.detach()
 
-    return step, lambda: -1  # DeepSpeed keeps its partitions internally: not measured
+    def state_bytes():
+        params = list(model.parameters())
+        owned = [getattr(p, "ds_tensor", p) for p in params] + [p.grad for p in params]
+        return storage_bytes(owned + reachable_tensors(optimizer, 6, skip=("ipg",)))
+
+    return step, state_bytes
 
 
-def measure_overlap(cfg: GPTConfig, stage: int, batches, world: int, device) -> dict:
-    """The step's two halves alone, on this rank, while the other ranks do the same.
-
-    t_compute: the same fzero step on this rank's batches in a world of one (no communication).
-    t_comm: the step's collectives alone on the real group: stage 3 all-gathers every bucket
-    twice and reduce-scatters it once, stages 1-2 reduce-scatter and all-gather once each.
-    """
-
-    model = GPT(cfg, seed=0).to(device)
-
-    def compute(comm):
-        state = fzero.init(model, stage=stage, comm=comm, device=device,
-                           optimizer=fzero.optim.adamw(lr=LR, betas=BETAS,
-                                                       weight_decay=WEIGHT_DECAY))
-        step = fzero.make_train_step(model, loss_fn)
-        state, _ = step(state, batches[0])  # warm-up
-        times = []
-        for b in batches:
-            dist.barrier()  # both ranks compute at once, as in the real step
-            t0 = time.perf_counter()
-            state, _ = step(state, b)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    t_compute = fzero.SimWorld(1, copy_args=False).run(compute)[0]
-    comm = fzero.TorchComm()
-    layout = fzero.plan(model, world)
-    shards = [torch.zeros(b.shard_numel, device=device) for b in layout.buckets]
-    gathers = 2 if stage == 3 else 1
-    times = []
-    for _ in range(len(batches) + 1):
-        flats = [torch.zeros(b.padded_numel, device=device) for b in layout.buckets]
-        dist.barrier()
-        t0 = time.perf_counter()
-        pending = [fzero.collect.reduce_scatter_bucket(comm, b, f)
-                   for b, f in zip(layout.buckets, flats, strict=True)]
-        for _ in range(gathers):
-            pending += [fzero.collect.all_gather_bucket(comm, b, s)
-                        for b, s in zip(layout.buckets, shards, strict=True)]
-        for p in pending:
-            p.wait()
-        times.append(time.perf_counter() - t0)
-    t_comm = statistics.median(times[1:])
-    return {"compute": t_compute, "comm": t_comm}
+# -----------------------------------------------------------------------------
+# One rank of one row
 
 
-def worker(rank: int, row: str, size: str, world: int, steps: int, warmup: int, rdzv: str):
+def worker(rank: int, spec: dict) -> None:
     """One rank of one row: train, time, measure, write ``{rdzv}.{rank}.json``."""
+    world = spec["world"]
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     device = torch.device(f"cuda:{rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, cpus // world))
+    torch.set_num_threads(spec.get("threads") or max(1, cpus // world))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group(
         "nccl" if use_cuda else "gloo",
-        init_method=f"file://{rdzv}",
+        init_method=f"file://{spec['rdzv']}",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=120),
+        timeout=timedelta(seconds=spec["timeout"]),
     )
     try:
-        cfg, batch = SIZES[size]
-        rss_before = rss_mib("VmRSS")
-        model = GPT(cfg, seed=0).to(device)
-        if row in ("ddp", "ddp_zero"):
-            step, state_bytes = build_ddp(model, device, zero=row == "ddp_zero")
-        elif row == "fsdp2":
-            step, state_bytes = build_fsdp2(model, device, world)
-        elif row.startswith("fzero_"):
-            step, state_bytes = build_fzero(model, stage=int(row[-1]))
-        else:
-            step, state_bytes = build_deepspeed(model, int(row[-1]), batch // world)
-        batches = make_batches(cfg, batch, warmup + steps, rank, world, device)
-        times, losses = [], []
-        for i, b in enumerate(batches):
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = step(b)
-            if use_cuda:
-                torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            losses.append(float(loss))
-        last = torch.tensor([losses[-1]], dtype=torch.float64)
-        dist.all_reduce(last)  # the global batch's mean loss: the mean of the ranks' means
-        result = {
-            "times": times,
-            "loss": last.item() / world,
-            "state_bytes": state_bytes(),
-            "rss_before_mib": rss_before,
-            "rss_peak_mib": rss_mib("VmHWM"),
-            "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if use_cuda else None,
-        }
-        if row.startswith("fzero_"):  # after reading the peak RSS: it builds a second state
-            del step, state_bytes  # ... so first free this row's (the closures hold it)
-            gc.collect()
-            result["overlap"] = measure_overlap(cfg, int(row[-1]), batches[warmup:], world,
-                                                device)
-        with open(f"{rdzv}.{rank}.json", "w") as f:
+        result = run_rank(rank, spec, device, use_cuda)
+        with open(f"{spec['rdzv']}.{rank}.json", "w") as f:
             json.dump(result, f)
     finally:
         dist.destroy_process_group()
+
+
+def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dict:
+    row, world, steps, warmup = spec["row"], spec["world"], spec["steps"], spec["warmup"]
+    cfg, batch = SIZES[spec["size"]]
+    batch = spec.get("batch") or batch  # global batch, in sequences
+    rss_before = rss_mib("VmRSS")
+    model = GPT(cfg, seed=0).to(device)
+    nocomm = None
+    if row in ("ddp", "ddp_zero"):
+        step, state_bytes = build_ddp(model, device, zero=row == "ddp_zero")
+    elif row == "fsdp2":
+        step, state_bytes = build_fsdp2(model, device, world)
+    elif row.startswith("fzero_"):
+        stage = int(row[len("fzero_")])
+        comm = fzero.TorchComm()
+        if row.endswith(COMPUTE):  # the same step, communication replaced by no-ops
+            comm = nocomm = NoComm(rank, world)
+        step, state_bytes = build_fzero(model, stage, comm)
+    else:
+        step, state_bytes = build_deepspeed(model, int(row[-1]), batch // world)
+    batches = make_batches(cfg, batch, warmup + steps, rank, world, device)
+    profile = cProfile.Profile() if spec["profile"] and rank == 0 else None
+    times, losses = [], []
+    for i, b in enumerate(batches):
+        if i == warmup:
+            cpu0, busy0, wall0 = cpu_seconds(), machine_busy_seconds(), time.perf_counter()
+            if profile is not None:
+                profile.enable()
+        if nocomm is not None:
+            nocomm.log.clear()  # keeps the last step's collectives
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = step(b)
+        if use_cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    wall, cpu, busy1 = time.perf_counter() - wall0, cpu_seconds() - cpu0, machine_busy_seconds()
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(os.path.join(spec["profile"], f"{row.replace('/', '.')}.prof"))
+    last = torch.tensor([losses[-1]], dtype=torch.float64)
+    dist.all_reduce(last)  # the global batch's mean loss: the mean of the ranks' means
+    result = {
+        "times": times,
+        "loss": last.item() / world,
+        "state_bytes": state_bytes(),
+        "rss_before_mib": rss_before,
+        "rss_peak_mib": rss_mib("VmHWM"),
+        "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if use_cuda else None,
+        "cpu_seconds": cpu,
+        "wall_seconds": wall,
+        "machine_busy_seconds": None if busy0 is None or busy1 is None else busy1 - busy0,
+    }
+    if nocomm is not None:  # t_comm: the last step's collectives, alone, on the real group
+        log = list(nocomm.log)
+        real = fzero.TorchComm()
+        open_channels(real, log)
+        comm_times = []
+        for _ in range(warmup + steps):
+            dist.barrier()
+            comm_times.append(replay(real, log))
+        result["comm_times"] = comm_times[warmup:]
+        result["collectives"] = len(log)
+    return result
 
 
 # -----------------------------------------------------------------------------
@@ -334,37 +420,108 @@ def worker(rank: int, row: str, size: str, world: int, steps: int, warmup: int, 
 
 
 def run_row(row: str, args: argparse.Namespace, tmp: str) -> dict:
-    rdzv = os.path.join(tmp, row)
+    """One row in fresh processes; its ranks' results, per-step times (the slowest rank's)."""
+    rdzv = os.path.join(tmp, f"{row.replace('/', '.')}.{time.monotonic_ns()}")
+    spec = dict(row=row, size=args.size, world=args.nproc, steps=args.steps,
+                warmup=args.warmup, rdzv=rdzv, timeout=args.timeout, profile=args.profile,
+                batch=getattr(args, "batch", None), threads=getattr(args, "threads", None))
     try:
-        mp.spawn(
-            worker,
-            args=(row, args.size, args.nproc, args.steps, args.warmup, rdzv),
-            nprocs=args.nproc,
-            join=True,
-        )
+        mp.spawn(worker, args=(spec,), nprocs=args.nproc, join=True)
     except Exception as e:  # a failed row is reported, the others still run
-        msg = str(e).strip().splitlines()
+        msg = [line for line in str(e).strip().splitlines() if line.strip()]
         return {"error": msg[-1] if msg else type(e).__name__}
     ranks = []
     for r in range(args.nproc):
         with open(f"{rdzv}.{r}.json") as f:
             ranks.append(json.load(f))
     per_step = [max(ts) for ts in zip(*(r["times"] for r in ranks), strict=True)]  # slowest rank
-    return {"ranks": ranks, "per_step": per_step, "median": statistics.median(per_step)}
+    out = {"ranks": ranks, "per_step": per_step, "median": statistics.median(per_step)}
+    out["cpu_per_step"] = sum(r["cpu_seconds"] for r in ranks) / len(per_step)
+    busy = ranks[0]["machine_busy_seconds"]
+    if busy is not None:  # cores other processes used while this row's steps ran
+        wall = max(r["wall_seconds"] for r in ranks)
+        out["others_cores"] = max(0.0, (busy - sum(r["cpu_seconds"] for r in ranks)) / wall)
+    if "comm_times" in ranks[0]:
+        comm = [max(ts) for ts in zip(*(r["comm_times"] for r in ranks), strict=True)]
+        out["comm_median"] = statistics.median(comm)
+    return out
+
+
+def wait_until_quiet(args: argparse.Namespace) -> float | None:
+    """Wait (at most --quiet-wait s) until other processes use < --quiet cores; return the
+    cores they used at the last sample."""
+    deadline = time.monotonic() + args.quiet_wait
+    while True:
+        cores = busy_cores()
+        if args.quiet is None or cores is None or cores < args.quiet:
+            return cores
+        if time.monotonic() > deadline:
+            print(f"  (still {cores:.2f} cores busy after {args.quiet_wait:.0f} s: measuring "
+                  f"anyway)", flush=True)
+            return cores
+        time.sleep(5)
 
 
 def fmt_mib(values) -> str:
-    values = [round(v) for v in values]
-    return f"{values[0]:,}" if len(set(values)) == 1 else " / ".join(f"{v:,}" for v in values)
+    """MiB per rank: one number when the ranks agree, else each rank's."""
+    digits = 0 if max(abs(v) for v in values) >= 100 else 1
+    shown = [f"{v:,.{digits}f}" for v in values]
+    return shown[0] if len(set(shown)) == 1 else " / ".join(shown)
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.0f}" if seconds >= 0.0995 else f"{seconds * 1e3:,.1f}"
+
+
+def is_quiet(result: dict, quiet: float | None) -> bool:
+    """Whether other processes used fewer than `quiet` cores during the row's timed steps."""
+    return "ranks" in result and (quiet is None or result.get("others_cores", 0.0) < quiet)
+
+
+def summarize(rounds: list[dict], quiet: float | None) -> dict:
+    """A row over its rounds: median of the (quiet) round medians, worst peak RSS."""
+    done = [r for r in rounds if "ranks" in r]
+    if not done:
+        return {"error": next((r["error"] for r in rounds if "error" in r), "did not run")}
+    used = [r for r in done if is_quiet(r, quiet)] or done
+    nranks = len(done[0]["ranks"])
+    out = {
+        "median": statistics.median(r["median"] for r in used),
+        "medians": [(r["median"], r in used) for r in done],
+        "cpu": statistics.median(r["cpu_per_step"] for r in used),
+        "peak": [max(r["ranks"][k]["rss_peak_mib"] for r in done) for k in range(nranks)],
+        "delta": [max(r["ranks"][k]["rss_peak_mib"] - r["ranks"][k]["rss_before_mib"]
+                      for r in done) for k in range(nranks)],
+        "state": [done[-1]["ranks"][k]["state_bytes"] / 2**20 for k in range(nranks)],
+        "loss": done[-1]["ranks"][0]["loss"],
+        "others": [r["others_cores"] for r in done if "others_cores" in r],
+        "load": [r["load"] for r in done if r.get("load") is not None],
+        "cuda": [r["ranks"][0]["cuda_peak_mib"] for r in done],
+        "failed_rounds": len(rounds) - len(done),
+    }
+    if "comm_median" in done[0]:
+        out["comm"] = statistics.median(r["comm_median"] for r in used)
+        out["collectives"] = done[0]["ranks"][0]["collectives"]
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--size", choices=list(SIZES), default="small")
     ap.add_argument("--nproc", type=int, default=None, help="ranks per row (default: torchrun's)")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per row (>= 10)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per row and round")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="times every row runs, interleaved")
+    ap.add_argument("--max-rounds", type=int, default=None,
+                    help="with --quiet: run rows without a quiet round again, up to this many")
     ap.add_argument("--rows", default=None, help="comma-separated subset, e.g. ddp,fsdp2")
+    ap.add_argument("--no-overlap", action="store_true", help="skip fzero's t_compute/t_comm")
+    ap.add_argument("--quiet", type=float, default=None, metavar="CORES",
+                    help="before each row, wait until other processes use fewer cores")
+    ap.add_argument("--quiet-wait", type=float, default=900.0, help="seconds to wait at most")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="write a cProfile of rank 0's timed steps per row to DIR")
+    ap.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
     args = ap.parse_args()
     if int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun, rank 0 drives every row's fresh processes
@@ -374,92 +531,130 @@ def main() -> None:
         raise SystemExit(
             f"global batch {batch} of --size {args.size} not divisible by {args.nproc}"
         )
+    if args.rounds < 1 or args.steps < 1:
+        raise SystemExit("--rounds and --steps must be at least 1")
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the workers
 
-    rows = list(TORCH_ROWS) + list(FZERO_ROWS) + (list(DEEPSPEED_ROWS) if deepspeed else [])
+    has_deepspeed = importlib.util.find_spec("deepspeed") is not None
+    rows = list(TORCH_ROWS) + list(FZERO_ROWS) + list(DEEPSPEED_ROWS)
     if args.rows:
         wanted = args.rows.split(",")
         unknown = sorted(set(wanted) - set(LABELS))
         if unknown:
             raise SystemExit(f"unknown --rows {unknown}; choose from {sorted(LABELS)}")
         rows = [r for r in rows if r in wanted]
-    skipped: dict[str, str] = {}
-    if deepspeed is None:
-        print("deepspeed is not importable: DeepSpeed rows skipped")
+    skipped = {} if has_deepspeed else {
+        r: "deepspeed is not installed (pip install -e '.[bench]')" for r in DEEPSPEED_ROWS}
+    runs = [r for r in rows if r not in skipped]
+    if not args.no_overlap:
+        runs += [r + COMPUTE for r in rows if r in FZERO_ROWS]
 
     psi = num_params(GPT(cfg))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    versions = f"torch {torch.__version__}"
+    if has_deepspeed:
+        from importlib.metadata import version
+
+        versions += f", deepspeed {version('deepspeed')}"
+    print(f"$ python {shlex.join(['examples/bench_step.py', *sys.argv[1:]])}")
+    print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {versions}; {cpus} cores; "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(
         f"GPT {cfg.n_layer} layers x d {cfg.d_model}, seq {cfg.seq_len}: Ψ = {psi:,} "
         f"({psi * 4 / 2**20:,.1f} MiB fp32); global batch {batch}; {args.nproc} ranks on {device}, "
-        f"{max(1, cpus // args.nproc)} threads each; median of {args.steps} steps after "
-        f"{args.warmup} warm-up\n"
+        f"{max(1, cpus // args.nproc)} threads each; per round the median of {args.steps} steps "
+        f"after {args.warmup} warm-up; {args.rounds} rounds, interleaved"
+        + (f"; medians over the rounds in which other processes used < {args.quiet} cores "
+           f"(up to {args.max_rounds or args.rounds} rounds)" if args.quiet is not None else "")
+        + "\n"
     )
 
-    results = {}
+    per_round: dict[str, list[dict]] = {r: [] for r in runs}
     with tempfile.TemporaryDirectory() as tmp:
-        for row in rows:
-            if row in skipped:
-                results[row] = {"error": skipped[row]}
-                continue
-            t0 = time.perf_counter()
-            results[row] = run_row(row, args, tmp)
-            status = results[row].get("error") or f"{results[row]['median'] * 1e3:.0f} ms"
-            print(f"  {LABELS[row]:<32} {status}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        rnd, todo = 0, runs
+        while todo:
+            for row in todo:
+                others = wait_until_quiet(args) if args.quiet is not None else None
+                load = os.getloadavg()[0]
+                t0 = time.perf_counter()
+                res = run_row(row, args, tmp)
+                res["load"] = load
+                per_round[row].append(res)
+                label = LABELS[row.removesuffix(COMPUTE)] + (" (compute)" if COMPUTE in row
+                                                             else "")
+                status = res.get("error") or f"{fmt_ms(res['median'])} ms"
+                quiet = f", others {others:.2f} cores before" if others is not None else ""
+                if "others_cores" in res:
+                    quiet += f", others {res['others_cores']:.2f} cores during"
+                print(f"  round {rnd + 1}: {label:<38} {status}  ({time.perf_counter() - t0:.0f}"
+                      f" s, load {load:.2f}{quiet})", flush=True)
+            rnd += 1
+            todo = runs if rnd < args.rounds else [
+                row for row in runs
+                if rnd < (args.max_rounds or args.rounds)
+                and not any(is_quiet(r, args.quiet) for r in per_round[row])
+            ]
+    results = {row: summarize(per_round[row], args.quiet) for row in runs}
+    results.update({row: {"error": why} for row, why in skipped.items() if row in rows})
+    print_tables(rows, results, args, cfg, batch)
+    failed = [row for row in rows if "error" in results[row] and row not in skipped]
+    if failed:
+        raise SystemExit(f"rows failed: {', '.join(failed)}")
 
+
+def print_tables(rows, results, args, cfg, batch) -> None:
     def ratio(res, base):
         ok = base in results and "median" in results[base]
         return f"{res['median'] / results[base]['median']:.2f}" if ok else "-"
 
     print(
-        "\n| trainer | step ms, median (min–max) | tokens/s | vs DDP | vs FSDP2 "
-        "| state MiB/rank | peak RSS MiB/rank (Δ from start) | last loss |"
+        "\n| trainer | step ms: median of rounds (each round's; [loaded]) | tokens/s | vs DDP "
+        "| vs ZeRO-opt | vs FSDP2 | CPU ms/step, all ranks | state MiB/rank "
+        "| peak RSS MiB/rank (Δ from start) | last loss | load 1 min / others' cores |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     tokens = batch * cfg.seq_len
     for row in rows:
         res = results[row]
         if "error" in res:
-            print(f"| {LABELS[row]} | skipped: {res['error']} | | | | | | |")
+            print(f"| {LABELS[row]} | not run: {res['error']} | | | | | | | | | |")
             continue
-        ranks = res["ranks"]
-        state = [r["state_bytes"] / 2**20 for r in ranks]
-        state_txt = "-" if min(state) < 0 else fmt_mib(state)
-        peak = fmt_mib([r["rss_peak_mib"] for r in ranks])
-        delta = fmt_mib([r["rss_peak_mib"] - r["rss_before_mib"] for r in ranks])
+        state = "-" if min(res["state"]) < 0 else fmt_mib(res["state"])
+        rounds = ", ".join(fmt_ms(m) if used else f"[{fmt_ms(m)}]" for m, used in res["medians"])
+        failed = f"; {res['failed_rounds']} round(s) failed" if res["failed_rounds"] else ""
+        load = "/".join(f"{x:.1f}" for x in res["load"])
+        others = "/".join(f"{x:.2f}" for x in res["others"]) or "-"
         print(
-            f"| {LABELS[row]} | {res['median'] * 1e3:,.0f} ({min(res['per_step']) * 1e3:,.0f}–"
-            f"{max(res['per_step']) * 1e3:,.0f}) | {tokens / res['median']:,.0f} "
-            f"| {ratio(res, 'ddp')} | {ratio(res, 'fsdp2')} | {state_txt} | {peak} ({delta}) "
-            f"| {ranks[0]['loss']:.4f} |"
+            f"| {LABELS[row]} | {fmt_ms(res['median'])} ({rounds}{failed}) "
+            f"| {tokens / res['median']:,.0f} | {ratio(res, 'ddp')} | {ratio(res, 'ddp_zero')} "
+            f"| {ratio(res, 'fsdp2')} | {fmt_ms(res['cpu'])} | {state} | {fmt_mib(res['peak'])} "
+            f"({fmt_mib(res['delta'])}) | {res['loss']:.4f} | {load} / {others} |"
         )
-    if any(r["ranks"][0]["cuda_peak_mib"] for r in results.values() if "ranks" in r):
-        print(
-            "\nCUDA peak allocated MiB/rank: "
-            + ", ".join(
-                f"{LABELS[k]} {fmt_mib([r['cuda_peak_mib'] for r in v['ranks']])}"
-                for k, v in results.items()
-                if "ranks" in v
-            )
-        )
-    overlaps = [(row, results[row]) for row in rows
-                if "ranks" in results[row] and results[row]["ranks"][0].get("overlap")]
+    cuda = [(row, results[row]) for row in rows if any(results[row].get("cuda") or [])]
+    if cuda:
+        print("\nCUDA peak allocated MiB (rank 0, worst round): " + ", ".join(
+            f"{LABELS[row]} {max(res['cuda']):,.0f}" for row, res in cuda))
+
+    overlaps = [(row, results[row], results.get(row + COMPUTE, {})) for row in rows
+                if row in FZERO_ROWS and "median" in results[row]
+                and "comm" in results.get(row + COMPUTE, {})]
     if overlaps:
-        print("\n| trainer | t_step ms | t_compute ms (world 1) | t_comm ms (collectives alone) "
-              "| overlap |")
-        print("|---|---:|---:|---:|---:|")
-        for row, res in overlaps:
-            parts = res["ranks"][0]["overlap"]
-            t_step, t_compute, t_comm = res["median"], parts["compute"], parts["comm"]
+        print("\n| trainer | t_step ms | t_compute ms (no-op comm, same N) "
+              "| t_comm ms (its collectives alone) | collectives per step | overlap |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for row, res, parts in overlaps:
+            t_step, t_compute, t_comm = res["median"], parts["median"], parts["comm"]
             overlap = (t_compute + t_comm - t_step) / min(t_compute, t_comm)
-            print(f"| {LABELS[row]} | {t_step * 1e3:,.0f} | {t_compute * 1e3:,.0f} "
-                  f"| {t_comm * 1e3:,.0f} | {overlap:.2f} |")
-        print("overlap = (t_compute + t_comm - t_step) / min(t_compute, t_comm): 1 is perfect, "
-              "0 is none. t_compute is a world-1 step, whose optimizer updates all Ψ parameters "
-              "instead of Ψ/N, so it overstates the N-rank step's compute and the overlap")
-    failed = [row for row in rows if "error" in results[row] and row not in skipped]
-    if failed:
-        raise SystemExit(f"rows failed: {', '.join(failed)}")
+            print(f"| {LABELS[row]} | {fmt_ms(t_step)} | {fmt_ms(t_compute)} | {fmt_ms(t_comm)} "
+                  f"| {parts['collectives']} | {overlap:.2f} |")
+        print("overlap = (t_compute + t_comm - t_step) / min(t_compute, t_comm): 1 when the "
+              "shorter part hides entirely behind the longer, 0 when the step takes their sum; "
+              "below 0 when the step takes longer than both apart (compute and gloo's threads "
+              "contend for the same cores).")
 
 
 if __name__ == "__main__":
