@@ -20,6 +20,10 @@ and byte accounting from `CommBase`, so counters and error messages are those of
   ranks raise at once, and `run` raises `SimWorldError` naming the failing rank, chained to the
   original. A collective that a rank finished without joining fails at once; one that a live rank
   does not join within `timeout` seconds fails naming the collective and the missing ranks.
+- Process-global state is shared: ranks are threads of one process, so torch's default RNG is
+  one for all of them. Two ranks seeding it at once (`torch.manual_seed`, `fork_rng`) race, and
+  may each draw from the other's seed; draw from a per-rank `torch.Generator`, or build seeded
+  models under one `threading.Lock`, or before `run` (arguments are deep-copied per rank).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import fzero
 from fzero.comm import Comm
 from fzero.state import ShardState
 
-from models import split_batch
+from models import seeded, split_batch
 from step_bodies import ADAMW, OptSpec, make_optimizer
 
 
@@ -169,8 +169,7 @@ class Wide(nn.Module):
 
     def __init__(self, layers: int = 8, width: int = 1024, seed: int = 0):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.layers = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
 
     def forward(self, x: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import fzero
 from fzero.comm import Comm
 
-from models import TinyGPT
+from models import TinyGPT, seeded
 
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 """fzero.optim.adamw and torch.optim.AdamW hyperparameters (decay on: skipping it is visible)."""
@@ -186,8 +186,7 @@ class InnerCheckpointed(nn.Module):
 
     def __init__(self, seed: int = 0, width: int = 6):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.inp = nn.Linear(5, width)
             self.blocks = nn.ModuleList(InnerBlock(width) for _ in range(3))
             self.out = nn.Linear(width, 3)
@@ -206,8 +205,7 @@ class SharedInRegions(nn.Module):
 
     def __init__(self, seed: int = 0, width: int = 6):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.inp = nn.Linear(5, width)
             self.shared = nn.Linear(width, width)
             self.out = nn.Linear(width, 3)
@@ -247,8 +245,7 @@ class Routed(nn.Module):
 
     def __init__(self, seed: int = 0, width: int = 8, blocks: int = 3):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.inp = nn.Linear(5, width)
             self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
             self.out = nn.Linear(width, 3)
@@ -311,8 +308,7 @@ class MLP64(nn.Module):
 
     def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float64):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.fc1 = nn.Linear(7, 13)
             self.norm = nn.LayerNorm(13)
             self.fc2 = nn.Linear(13, 5)
@@ -348,8 +344,7 @@ class PreHooked(nn.Module):
 
     def __init__(self, seed: int = 0):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.fc1 = nn.Linear(7, 9)
             self.fc2 = nn.Linear(9, 5)
         self.fc2.register_forward_pre_hook(scale_by_weight_norm)
@@ -366,8 +361,7 @@ class ReadsChild(nn.Module):
 
     def __init__(self, seed: int = 0, own: bool = False, read_first: bool = False):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.pre = nn.Linear(5, 5)
             self.parent = Parent(own, read_first)
         self.double()
@@ -401,8 +395,7 @@ class RootReadsChild(nn.Module):
 
     def __init__(self, seed: int = 0, read: str = "matmul"):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.child = nn.Linear(5, 5)
             self.other = nn.Linear(5, 5)
         self.read = read
@@ -424,8 +417,7 @@ class KeepsAView(nn.Module):
 
     def __init__(self, seed: int = 0):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.child = _ViewKeeper(5, 5)
             self.other = nn.Linear(5, 5)
         self.double()
@@ -452,8 +444,7 @@ class BatchNormNet(nn.Module):
 
     def __init__(self, seed: int = 0):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.fc1 = nn.Linear(5, 6)
             self.bn = nn.BatchNorm1d(6)
             self.fc2 = nn.Linear(6, 3)
@@ -474,8 +465,7 @@ def hf_gpt2() -> nn.Module:
         vocab_size=61, n_positions=16, n_embd=24, n_layer=2, n_head=2, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with seeded(0):
         return transformers.GPT2LMHeadModel(config).double()
 
 
@@ -487,8 +477,7 @@ def hf_neox() -> nn.Module:
         intermediate_size=40, max_position_embeddings=16, hidden_dropout=0.0,
         attention_dropout=0.0, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with seeded(0):
         return transformers.GPTNeoXForCausalLM(config).double()
 
 
@@ -736,8 +725,7 @@ class TwinLinear(nn.Module):
 
     def __init__(self, seed: int = 0):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.fc1 = nn.Linear(6, 6)
             self.fc2 = nn.Linear(6, 6)
         self.double()

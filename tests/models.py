@@ -14,8 +14,10 @@ global RNG untouched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -24,6 +26,22 @@ from torch import Tensor, nn
 
 Batch = tuple[Tensor, ...]
 LossFn = Callable[[Callable[..., Tensor], Batch], Tensor]
+
+
+# torch's default generator is one per process and `fzero.SimWorld`'s ranks are threads: two ranks
+# seeding it at once race (each may draw from the other's seed), and concurrent
+# `torch.get_rng_state` calls have deadlocked (torch 2.13). Every seeded block takes this lock.
+_DEFAULT_RNG = threading.RLock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run the block with torch's default RNG seeded to `seed`, then restore the RNG; one block
+    at a time in the process, so ranks of a `SimWorld` build their models as separate
+    processes would."""
+    with _DEFAULT_RNG, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -48,8 +66,7 @@ class MLP(nn.Module):
 
     def __init__(self, seed: int = 0, d_in: int = 7, d_hidden: int = 13, d_out: int = 5):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.fc1 = nn.Linear(d_in, d_hidden)
             self.fc2 = nn.Linear(d_hidden, d_out)
 
@@ -114,8 +131,7 @@ class TinyGPT(nn.Module):
 
     def __init__(self, seed: int = 0, d_model: int = 16, n_layer: int = 2, n_head: int = 2):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.tok_emb = nn.Embedding(self.vocab_size, d_model)
             self.pos_emb = nn.Embedding(self.seq_len, d_model)
             self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
@@ -162,8 +178,7 @@ class FrozenMix(nn.Module):
 
     def __init__(self, seed: int = 0):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.gain = nn.Parameter(1.0 + 0.1 * torch.randn(7))
             self.frozen = nn.Linear(7, 11).requires_grad_(False)
             self.proj = nn.Linear(11, 13)

@@ -21,7 +21,7 @@ from fzero.comm import Comm
 from fzero.layout import ShardLayout
 from fzero.state import ShardState
 
-from models import split_batch
+from models import seeded, split_batch
 
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 """fzero.optim.adamw and torch.optim.AdamW hyperparameters of the parity runs."""
@@ -42,8 +42,7 @@ def make_optimizer(spec: OptSpec) -> fzero.optim.Optimizer:
 
 
 def _linear_stack(sizes: Sequence[int], seed: int) -> list[nn.Linear]:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         return [nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
 
 
