@@ -7,9 +7,7 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import gc
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -200,12 +198,6 @@ def init_distributed(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
-    # Collect garbage while the interpreter is still whole. A train step's objects form
-    # reference cycles (closures, hooks) that hold process groups and the tensors of their works;
-    # freed only during finalization, they tear gloo down with "terminate called without an
-    # active exception" (SIGABRT) after a clean run: 1 exit in 5 for examples/bench_scale.py.
-    atexit.unregister(gc.collect)  # once per process, however many groups it makes
-    atexit.register(gc.collect)
     if backend == "nccl":
         kwargs["device_id"] = dev
     if env.launcher == "torchrun":

@@ -703,12 +703,12 @@ def test_init_distributed_single_process_fallback(bare_env: pytest.MonkeyPatch) 
     destroy_distributed()  # a no-op without a group
 
 
-def test_init_distributed_collects_garbage_before_the_interpreter_exits(
+def test_torch_comm_collects_garbage_before_the_interpreter_exits(
     bare_env: pytest.MonkeyPatch,
 ) -> None:
     """A train step's reference cycles hold process groups; freed during finalization they
     abort the process (gloo: "terminate called without an active exception", 1 exit in 5 for
-    bench_scale.py). init_distributed has them collected at exit, once however often it runs."""
+    bench_scale.py). Every TorchComm has them collected at exit, once however many exist."""
     import atexit
     import gc
 
