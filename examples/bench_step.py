@@ -270,10 +270,11 @@ def build_fsdp2(model: nn.Module, device, world: int):
     return step, state_bytes
 
 
-def build_fzero(model: nn.Module, stage: int, comm):
+def build_fzero(model: nn.Module, stage: int, comm, buckets: int | None):
     optimizer = fzero.optim.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     state = fzero.init(
-        model, stage=stage, optimizer=optimizer, comm=comm, param_dtype=torch.float32
+        model, stage=stage, optimizer=optimizer, comm=comm, param_dtype=torch.float32,
+        buckets=buckets,
     )
     model.to("meta")  # fzero needs the module only as a function: drop its own 4Ψ bytes
     train_step = fzero.make_train_step(model, loss_fn, decay=DECAY)
@@ -368,7 +369,7 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
         comm = fzero.TorchComm()
         if row.endswith(COMPUTE):  # the same step, communication replaced by no-ops
             comm = nocomm = NoComm(rank, world)
-        step, state_bytes = build_fzero(model, stage, comm)
+        step, state_bytes = build_fzero(model, stage, comm, spec.get("buckets"))
     else:
         step, state_bytes = build_deepspeed(model, int(row[-1]), batch // world)
     batches = make_batches(cfg, batch, warmup + steps, rank, world, device)
@@ -428,7 +429,8 @@ def run_row(row: str, args: argparse.Namespace, tmp: str) -> dict:
     rdzv = os.path.join(tmp, f"{row.replace('/', '.')}.{time.monotonic_ns()}")
     spec = dict(row=row, size=args.size, world=args.nproc, steps=args.steps,
                 warmup=args.warmup, rdzv=rdzv, timeout=args.timeout, profile=args.profile,
-                batch=getattr(args, "batch", None), threads=getattr(args, "threads", None))
+                batch=getattr(args, "batch", None), threads=getattr(args, "threads", None),
+                buckets=getattr(args, "buckets", None))
     try:
         mp.spawn(worker, args=(spec,), nprocs=args.nproc, join=True)
     except Exception as e:  # a failed row is reported, the others still run
@@ -526,6 +528,9 @@ def main() -> None:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="write a cProfile of rank 0's timed steps per row to DIR")
     ap.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
+    ap.add_argument("--buckets", type=int, default=None, metavar="ELEMENTS",
+                    help="fzero rows: buckets=ELEMENTS (size-capped buckets) instead of the "
+                         "default one bucket per block")
     args = ap.parse_args()
     if int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun, rank 0 drives every row's fresh processes
