@@ -128,6 +128,12 @@ def test_bench_step_runs() -> None:
         assert re.match(r"\| [^|]+ \| [\d.,]+ \([\d.,]+\) \|", rows[label][0]), rows[label]
     overlap = rows["fzero stage 2"][1]  # t_step, t_compute, t_comm, collectives, overlap
     assert re.fullmatch(r"\| fzero stage 2( \| -?[\d.,]+){5} \|", overlap), overlap
+    # --buckets: one size-capped bucket instead of one per block issues fewer collectives.
+    capped = table_rows(run(str(EXAMPLES / "bench_step.py"), "--nproc", "2", "--size", "tiny",
+                            "--steps", "1", "--warmup", "1", "--rounds", "1", "--rows", "fzero_2",
+                            "--buckets", str(2**24)))
+    count = int(overlap.split("|")[5])
+    assert int(capped["fzero stage 2"][1].split("|")[5]) < count, (capped, overlap)
 
 
 @pytest.mark.slow
