@@ -15,8 +15,8 @@ on CPU are the same per-tensor ops as the single-tensor loop), so results match
 ``params`` and ``moments`` are donated: they are overwritten, never copied, so optimizer memory
 never doubles. ``grads`` are scratch: Adam's and SGD's L2 weight decay and SGD's Nesterov
 momentum are added into them in place (torch.optim's foreach path does the same to ``p.grad``).
-Pass a copy if you need the gradients afterwards. Temporaries: Adam allocates one tensor the size
-of ``params`` (the denominator), as torch's foreach Adam does.
+Pass a copy if you need the gradients afterwards. Temporaries: none the size of ``params``; Adam
+computes its denominator in the gradients' storage, where torch's foreach Adam allocates one.
 
 [Note: weight-decay ranges]
 ``decay[i]`` lists half-open ``(start, end)`` element ranges of ``params[i]`` (flattened) that get
@@ -395,7 +395,11 @@ def _adam(
         bias_correction1 = 1 - beta1 ** float(step)
         bias_correction2 = 1 - beta2 ** float(step)
         step_size = (lr_t / bias_correction1) * -1
-        denom = torch._foreach_sqrt(exp_avg_sqs)  # the one params-sized temporary
+        # The denominator goes into the gradients, which are scratch and no longer needed:
+        # torch's foreach Adam allocates a params-sized temporary here (Ψ/N bytes per step).
+        denom = gs
+        torch._foreach_copy_(denom, exp_avg_sqs)
+        torch._foreach_sqrt_(denom)
         torch._foreach_div_(denom, bias_correction2**0.5)
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(ps, exp_avgs, denom, step_size)

@@ -295,18 +295,24 @@ def test_init_moments(dtype) -> None:
                 assert not t.any()
 
 
-def test_update_is_in_place_and_keeps_grads_for_adamw() -> None:
+def test_adamw_updates_in_place_without_a_params_sized_temporary() -> None:
+    """Params and moments are overwritten where they are; the denominator goes into the
+    gradients (scratch), so no allocation of the update is more than a few bytes, where
+    torch's foreach AdamW allocates one params-sized tensor (577 MiB per rank at 300M, N = 2)."""
+    from torch.profiler import ProfilerActivity, profile
+
     opt = optim.adamw(0.1, weight_decay=0.1)
-    params = [torch.randn(8), torch.randn(3)]
-    grads = [torch.randn(8), torch.randn(3)]
-    grads_before = [g.clone() for g in grads]
+    params = [torch.randn(2**20), torch.randn(3)]
+    grads = [torch.randn(2**20), torch.randn(3)]
     moments = opt.init(params)
     ptrs = [t.data_ptr() for t in (*params, *moments["exp_avg"], *moments["exp_avg_sq"])]
     before = [p.clone() for p in params]
-    opt.update(grads, moments, params, step=1)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.update(grads, moments, params, step=1)
+    largest = max(event.cpu_memory_usage for event in prof.events())
+    assert 0 < largest <= 64, largest  # scalars only
     assert [t.data_ptr() for t in (*params, *moments["exp_avg"], *moments["exp_avg_sq"])] == ptrs
     assert all(not torch.equal(a, b) for a, b in zip(params, before, strict=True))
-    assert_bitwise(grads, grads_before)
 
 
 def test_empty_lists() -> None:
