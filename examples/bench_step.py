@@ -107,18 +107,6 @@ LABELS = {
 # Measurement helpers
 
 
-def rss_mib(field: str) -> float:
-    """VmRSS (now) or VmHWM (peak since exec) from /proc, in MiB; ru_maxrss elsewhere."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024  # kB -> MiB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def cpu_seconds() -> float:
     """CPU time this process used so far (all its threads: gloo's too), user + system."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -150,13 +138,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and ties counted once)."""
-    seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.numel() > 0:
-            s = local(t).untyped_storage()
-            seen[(s.device, s.data_ptr())] = s.nbytes()
-    return sum(seen.values())
+    """Bytes of the distinct storages behind ``tensors`` (views and ties counted once; a
+    DTensor by its local shard)."""
+    return fzero.memory.storage_bytes(local(t) for t in tensors if t is not None)
 
 
 def reachable_tensors(root, depth: int, skip: tuple[str, ...]) -> list[torch.Tensor]:
@@ -357,7 +341,7 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
     row, world, steps, warmup = spec["row"], spec["world"], spec["steps"], spec["warmup"]
     cfg, batch = SIZES[spec["size"]]
     batch = spec.get("batch") or batch  # global batch, in sequences
-    rss_before = rss_mib("VmRSS")
+    rss_before = fzero.memory.rss_bytes() / 2**20
     model = GPT(cfg, seed=0).to(device)
     nocomm = None
     if row in ("ddp", "ddp_zero"):
@@ -401,7 +385,7 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
         "loss": last.item() / world,
         "state_bytes": state_bytes(),
         "rss_before_mib": rss_before,
-        "rss_peak_mib": rss_mib("VmHWM"),
+        "rss_peak_mib": fzero.memory.peak_rss_bytes() / 2**20,
         "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if use_cuda else None,
         "cpu_seconds": cpu,
         "wall_seconds": wall,
