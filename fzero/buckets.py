@@ -175,6 +175,14 @@ class Reducer:
         self.live_bytes = 0  # flat gradient buffers alive (being reduced)
         self.peak_bytes = 0
 
+    def reorder(self, order: Sequence[int]) -> None:
+        """Reduce in `order` from the next round on (every rank alike; none launched yet)."""
+        if self.next or self.pending:
+            raise RuntimeError("a Reducer's order can change only between rounds")
+        if sorted(order) != sorted(self.order):
+            raise ValueError(f"a new reduce order must permute the old one, got {tuple(order)}")
+        self.order = tuple(order)
+
     def complete(self, index: int) -> None:
         """Bucket `index`'s gradient is final for this round: launch what the order allows."""
         self.ready[index] = True

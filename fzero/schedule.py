@@ -165,23 +165,28 @@ def _supersequence(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def reduce_order(trainable: Iterable[int], backward: Sequence[int]) -> tuple[int, ...]:
+def reduce_order(trainable: Iterable[int], forward: Sequence[int]) -> tuple[int, ...]:
     """The fixed order a step reduces its trainable buckets in, on every rank.
 
-    Backward completes a bucket's gradient after its last use, so buckets are ordered by their
-    last position in the agreed backward sequence; buckets backward never gathered (no saved
-    parameters, e.g. an embedding, or no sequence learned yet) follow, highest index first (the
-    reverse of forward order, as autograd mostly completes them).
+    Backward completes a bucket's gradient once it has gone back past the bucket's *first* use
+    in forward (the last one it reaches): a tied embedding first used by the input layer and
+    again by the output head completes at the very end, however early the head's backward
+    gathers it. Buckets are therefore ordered by their first position in the agreed forward
+    sequence, latest first. Buckets the forward never used have no gradient and are complete at
+    once: they go first, highest index first, which is also the whole order when no sequence
+    is known (stages 0-2, which reverse the parameter order as autograd mostly does).
 
     Args:
         trainable: indices of the trainable buckets.
-        backward: the agreed backward sequence (`BucketOrder.backward`), or empty.
+        forward: the agreed forward sequence (`BucketOrder.forward`), or empty.
 
     Returns:
         Every trainable bucket exactly once.
     """
     buckets = sorted(set(trainable))
-    last = {bucket: position for position, bucket in enumerate(backward)}
-    seen = sorted((b for b in buckets if b in last), key=lambda b: last[b])
-    rest = sorted((b for b in buckets if b not in last), reverse=True)
-    return (*seen, *rest)
+    first: dict[int, int] = {}
+    for position, bucket in enumerate(forward):
+        first.setdefault(bucket, position)
+    unused = sorted((b for b in buckets if b not in first), reverse=True)
+    used = sorted((b for b in buckets if b in first), key=lambda b: -first[b])
+    return (*unused, *used)

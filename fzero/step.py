@@ -573,7 +573,7 @@ class _ShardedSession:
             for grad in trainable_only(state.grads):
                 grad.zero_()
             self.reducer = Reducer(comm, layout, self.leaves, state.grads,
-                                   reduce_order(state.trainable, order.backward),
+                                   reduce_order(state.trainable, order.forward),
                                    mode="scatter_leaves", streams=self.streams,
                                    patience=REDUCE_PATIENCE)
         self.completion = Completion(layout, self.leaves, self._on_complete)
@@ -621,6 +621,9 @@ class _ShardedSession:
         if self.aborted:  # another rank failed in this forward: no rank runs backward
             return None
         self.phase = "backward"
+        assert self.reducer is not None
+        # This forward's agreed sequence (the same on every rank) orders the reductions.
+        self.reducer.reorder(reduce_order(self.state.trainable, self.order.forward))
         self.residency.begin("backward")
         for index in self.state.trainable:
             if index not in touched:  # never gathered: no leaf of it is in the graph

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import fzero
+from fzero.buckets import Reducer
 from fzero.schedule import (
     ABORTED,
     DONE,
@@ -130,15 +134,28 @@ def test_header_validates() -> None:
 
 @given(st.sets(buckets, max_size=7).map(sorted), sequences)
 def test_reduce_order_is_a_permutation_of_the_trainable(trainable: list[int],
-                                                        backward: list[int]) -> None:
-    order = reduce_order(trainable, backward)
+                                                        forward: list[int]) -> None:
+    order = reduce_order(trainable, forward)
     assert sorted(order) == trainable
-    last = {b: i for i, b in enumerate(backward)}
-    seen = [b for b in order if b in last]
-    assert seen == sorted(seen, key=last.__getitem__)  # by completion in the agreed backward
-    rest = [b for b in order if b not in last]
-    assert order == (*seen, *rest) and rest == sorted(rest, reverse=True)
-    assert reduce_order(trainable + trainable, backward) == order  # duplicates ignored
+    first = {}
+    for position, bucket in enumerate(forward):
+        first.setdefault(bucket, position)
+    unused = [b for b in order if b not in first]
+    used = [b for b in order if b in first]
+    assert order == (*unused, *used) and unused == sorted(unused, reverse=True)
+    positions = [first[b] for b in used]  # by completion: the latest first use completes first
+    assert positions == sorted(positions, reverse=True)
+    assert reduce_order(trainable + trainable, forward) == order  # duplicates ignored
+
+
+def test_reduce_order_puts_a_tied_embedding_last() -> None:
+    # A tied GPT's forward: embedding bucket 0, blocks 1-3, the head (bucket 0 again). Its
+    # gradient completes only when backward reaches the embedding, after every block: the
+    # first use, not the last, decides. (Ordered by the last use, bucket 0 went first and
+    # every block's gradient waited for the end of backward: the whole model's gradients
+    # alive at once.)
+    assert reduce_order([0, 1, 2, 3, 4], [0, 1, 2, 3, 0]) == (4, 3, 2, 1, 0)
+    assert reduce_order([0, 1, 2], []) == (2, 1, 0)  # no sequence: reverse parameter order
 
 
 @given(sequences, buckets, st.integers(-3, 14))
@@ -149,3 +166,24 @@ def test_next_position_is_the_first_occurrence_at_or_after_start(
     expected = next((i for i in range(len(sequence)) if i >= start and sequence[i] == bucket),
                     None)
     assert position == expected
+
+
+def test_reducer_reorders_only_between_rounds_and_only_to_a_permutation() -> None:
+    def body(comm: Any) -> tuple[int, ...]:
+        params = {f"w{i}": torch.ones(3) for i in range(3)}
+        layout = fzero.plan(params, comm.world_size, buckets=[["w0"], ["w1"], ["w2"]])
+        leaves = [[torch.ones(3, requires_grad=True)] for _ in range(3)]
+        grads = [torch.zeros(b.padded_numel // comm.world_size) for b in layout.buckets]
+        reducer = Reducer(comm, layout, leaves, grads, (2, 1, 0), mode="scatter_leaves")
+        with pytest.raises(ValueError, match="must permute the old one"):
+            reducer.reorder((2, 1))
+        reducer.reorder((0, 2, 1))
+        reducer.complete(0)  # launched: the order is in use until `finish`
+        with pytest.raises(RuntimeError, match="only between rounds"):
+            reducer.reorder((2, 1, 0))
+        reducer.launch_rest()
+        reducer.finish()
+        reducer.reorder((2, 1, 0))
+        return reducer.order
+
+    assert fzero.SimWorld(2).run(body) == [(2, 1, 0), (2, 1, 0)]

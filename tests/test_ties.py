@@ -4,7 +4,9 @@ exactly; a module whose ties changed while materialized raises, naming the param
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from typing import Any
 
 import pytest
@@ -108,3 +110,38 @@ def test_tie_gained_after_init_raises(stage: int) -> None:
         assert out["type"] == "ValueError" and out["unchanged"]
         assert "['fc1.weight', 'fc2.weight']" in out["message"]
         assert "built before the tie" in out["message"]
+
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_stage3_reduces_each_bucket_of_a_tied_gpt_as_soon_as_it_completes(
+    world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tied embedding is gathered early in backward (by the head) but completes last (at
+    the embedding): reductions follow completion, so no block's gradient waits for it. When
+    they waited, every bucket's full gradient stayed alive to the end of backward (a 1.1 GB
+    transient at 300M parameters)."""
+    events: dict[int, list[tuple[str, int]]] = collections.defaultdict(list)
+    complete, launch = fzero.buckets.Reducer.complete, fzero.buckets.Reducer._launch
+
+    def logged_complete(self: Any, index: int) -> None:
+        events[threading.get_ident()].append(("complete", index))
+        complete(self, index)
+
+    def logged_launch(self: Any, index: int, *, zero: bool) -> None:
+        events[threading.get_ident()].append(("launch", index))
+        launch(self, index, zero=zero)
+
+    monkeypatch.setattr(fzero.buckets.Reducer, "complete", logged_complete)
+    monkeypatch.setattr(fzero.buckets.Reducer, "_launch", logged_launch)
+    steps = 2
+    fzero.SimWorld(world).run(gb.train, TinyGPT(n_layer=3).double(), gb.gpt_loss,
+                              gb.gpt_batches(steps), stage=3)
+    assert len(events) == world
+    buckets = 5  # embeddings (with the tied head), three blocks, the final LayerNorm
+    for rank_events in events.values():
+        assert len(rank_events) == 2 * buckets * steps
+        for position in range(0, len(rank_events), 2):  # each launch follows its completion
+            (what, index), launched = rank_events[position : position + 2]
+            assert what == "complete" and launched == ("launch", index), rank_events
+        assert rank_events[-2:] == [("complete", 0), ("launch", 0)]  # the embedding: last
