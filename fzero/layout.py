@@ -42,6 +42,10 @@ LAYOUT_VERSION = 1
 # Parameters outside any block are grouped in module order into buckets of at most this many
 # elements (a single larger parameter gets a bucket of its own).
 DEFAULT_BUCKET_CAP = 2**24
+# The default policy merges consecutive small blocks until a bucket holds this many elements:
+# every bucket costs a fixed amount per collective and step (the transport's per-op latency,
+# the hooks, the Python), which dominates below about a million elements (4 MiB in fp32).
+DEFAULT_BUCKET_FLOOR = 2**20
 
 _INDEX_COMPONENT = re.compile(r"^\d+$")
 
@@ -290,6 +294,7 @@ def plan(
     buckets: BucketPolicy = None,
     trainable: TrainableMask = None,
     cap: int = DEFAULT_BUCKET_CAP,
+    floor: int = DEFAULT_BUCKET_FLOOR,
 ) -> ShardLayout:
     """Plan how `params` are flattened into buckets and sharded over `world_size` ranks.
 
@@ -302,13 +307,19 @@ def plan(
         world_size: number of ranks (>= 1).
         buckets: the bucket policy. ``None``: one bucket per element of every list container
             (a name component that is an integer, as `nn.ModuleList` and `nn.Sequential` make),
-            the other parameters grouped in order under `cap` elements. A module class or a
+            the other parameters grouped in order under `cap` elements; then consecutive
+            groups smaller than `floor` are merged (see `floor`). A module class or a
             predicate ``fn(module) -> bool`` (needs a module): one bucket per outermost matching
             submodule, the rest grouped under `cap`. An int: a size cap in elements. A list of
             lists of names: exactly these groups, covering every parameter once.
         trainable: which parameters train. ``None``: ``requires_grad``. Otherwise a mapping
             name -> bool, a predicate ``fn(name) -> bool``, or a collection of trainable names.
         cap: the size cap (elements) for grouped parameters under the default policies.
+        floor: under ``buckets=None``, consecutive groups of one kind (trainable or frozen,
+            one dtype) are merged while either holds fewer than `floor` elements, so a
+            model of small blocks gets few buckets (each costs a fixed amount per collective
+            and step); a group holding a tied parameter (used in two places) stays alone.
+            ``floor=1`` merges nothing: one bucket per block.
 
     Returns:
         The layout. Within a group, trainable and frozen parameters, and parameters of
@@ -324,6 +335,8 @@ def plan(
     tensors = _named_tensors(params)
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
         raise ValueError(f"cap must be a positive int of elements, got {cap=}")
+    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1:
+        raise ValueError(f"floor must be a positive int of elements, got {floor=}")
 
     # Tied parameters: the first name owns the storage, later names are aliases.
     primary: dict[int, str] = {}
@@ -347,6 +360,8 @@ def plan(
             )
 
     groups = _group(stored, tensors, alias_of, buckets, module, cap)
+    if buckets is None and floor > 1:
+        groups = _merge_small(groups, tensors, aliases, is_trainable, floor)
     out = []
     for label, names in groups:
         out.extend(_split_group(label, names, tensors, aliases, is_trainable, world_size))
@@ -472,6 +487,35 @@ def _group_by_block(
         groups[-1][1].append(name)
         filled += numel
     return groups
+
+
+def _merge_small(
+    groups: list[tuple[str, list[str]]],
+    tensors: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, list[str]],
+    is_trainable: Callable[[str], bool],
+    floor: int,
+) -> list[tuple[str, list[str]]]:
+    """Merge each group into the one before while either holds fewer than `floor` elements and
+    both are of one and the same kind; a group of mixed kinds, or holding a tied parameter,
+    stays alone. Labels become ``"first..last"``."""
+
+    def kind(names: list[str]) -> tuple[bool, torch.dtype] | None:
+        kinds = {(is_trainable(n), tensors[n].dtype) for n in names}
+        tied = any(aliases[n] for n in names)
+        return next(iter(kinds)) if len(kinds) == 1 and not tied else None
+
+    merged: list[tuple[str, str, list[str], int]] = []  # first label, last label, names, size
+    for label, names in groups:
+        size = sum(tensors[n].numel() for n in names)
+        if merged and kind(names) is not None and kind(merged[-1][2]) == kind(names) and (
+                merged[-1][3] < floor or size < floor):
+            first, _, before, filled = merged[-1]
+            merged[-1] = (first, label, before + names, filled + size)
+        else:
+            merged.append((label, label, list(names), size))
+    return [(first if first == last else f"{first}..{last}", names)
+            for first, last, names, _ in merged]
 
 
 def _list_element_prefix(name: str) -> str | None:

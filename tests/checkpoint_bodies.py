@@ -19,7 +19,7 @@ import fzero
 from fzero.comm import Comm
 from fzero.state import ShardState
 
-from models import seeded, split_batch
+from models import per_block, seeded, split_batch
 from step_bodies import ADAMW, OptSpec, make_optimizer
 
 
@@ -72,13 +72,16 @@ def train_save_body(
     stage: int,
     opt: OptSpec = ("adamw", ADAMW),
     param_dtype: torch.dtype | None = None,
-    buckets: Any = None,
+    buckets: Any = per_block,
     loss_scale: fzero.LossScale | None = None,
     extra: dict[str, Any] | None = None,
     optimizer_state: bool = True,
     loss_fn: Callable[..., Tensor] | None = None,
 ) -> dict[str, Any]:
-    """Init, train `steps` steps, save to `path`; the losses and a snapshot of the saved state."""
+    """Init, train `steps` steps, save to `path`; the losses and a snapshot of the saved state.
+    `buckets` defaults to `models.per_block` (one bucket per block)."""
+    if buckets is per_block:
+        buckets = per_block(model)
     state = fzero.init(model, stage=stage, optimizer=make_optimizer(opt), comm=comm,
                        buckets=buckets, param_dtype=param_dtype)
     if loss_scale is not None:

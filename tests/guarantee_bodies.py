@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import fzero
 from fzero.comm import Comm
 
-from models import TinyGPT, seeded
+from models import TinyGPT, per_block, seeded
 
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 """fzero.optim.adamw and torch.optim.AdamW hyperparameters (decay on: skipping it is visible)."""
@@ -526,7 +526,7 @@ def train(
     *,
     stage: int,
     opt: OptSpec = ("adamw", ADAMW),
-    buckets: Any = None,
+    buckets: Any = per_block,
     init_kwargs: dict[str, Any] | None = None,
     step_kwargs: dict[str, Any] | None = None,
     prepare: Callable[[nn.Module], nn.Module] | None = None,
@@ -536,6 +536,7 @@ def train(
     """`fzero.init` then one step per global batch (this rank's rows); what happened.
 
     Args:
+        buckets: the bucket policy; default `models.per_block` (one bucket per block).
         prepare: applied to the model before `init` (e.g. enabling Hugging Face's activation
             checkpointing, which installs hooks that do not pickle).
         after_init: applied to the model after `init`; the step runs what it returns.
@@ -547,6 +548,8 @@ def train(
     """
     if prepare is not None:
         model = prepare(model)
+    if buckets is per_block:
+        buckets = per_block(model)
     state = fzero.init(model, stage=stage, optimizer=make_optimizer(opt), comm=comm,
                        buckets=buckets, **(init_kwargs or {}))
     if after_init is not None:
@@ -580,7 +583,8 @@ def train(
 def evaluate(comm: Comm, model: nn.Module, loss_fn: LossFn, batch: Any, *, stage: int,
              after_init: Callable[[nn.Module], nn.Module] | None = None) -> float:
     """`fzero.make_eval_step` of `loss_fn` on this rank's rows of `batch`, right after init."""
-    state = fzero.init(model, stage=stage, optimizer=make_optimizer(("sgd", SGD)), comm=comm)
+    state = fzero.init(model, stage=stage, optimizer=make_optimizer(("sgd", SGD)), comm=comm,
+                       buckets=per_block(model))
     if after_init is not None:
         model = after_init(model)
     evaluate = fzero.make_eval_step(model, loss_fn)
@@ -627,7 +631,7 @@ def train_through_failure(
     *,
     stage: int,
     fail: dict[int, Any],
-    buckets: Any = None,
+    buckets: Any = per_block,
 ) -> dict[str, Any]:
     """Train on every batch; at step i a rank in ``fail[i]`` gets its batch transformed by
     ``fail[i][rank]`` (a module-level function that makes its loss_fn raise, or its batch
@@ -635,7 +639,7 @@ def train_through_failure(
     and the bytes it sent on the main channel (gradients; stage-3 gathers have their own), and
     training continues from the same state."""
     state = fzero.init(model, stage=stage, optimizer=make_optimizer(("adamw", ADAMW)), comm=comm,
-                       buckets=buckets)
+                       buckets=per_block(model) if buckets is per_block else buckets)
     step = fzero.make_train_step(model, loss_fn)
     losses, errors = [], {}
     for index, batch in enumerate(batches):
@@ -681,7 +685,7 @@ def consumed_state_step(comm: Comm, model: nn.Module, batches: Sequence[Any], *,
     """Step 1 on every rank; at step 2 rank `stale_rank` passes its consumed step-0 state.
     Then every rank goes on from its live state."""
     state0 = fzero.init(model, stage=stage, optimizer=make_optimizer(("adamw", ADAMW)),
-                        comm=comm)
+                        comm=comm, buckets=per_block(model))
     step = fzero.make_train_step(model, mse_loss)
     local = [rank_rows(b, comm.rank, comm.world_size) for b in batches]
     state1, _ = step(state0, local[0])
@@ -698,7 +702,8 @@ def consumed_state_step(comm: Comm, model: nn.Module, batches: Sequence[Any], *,
 def retie_after_init(comm: Comm, model: nn.Module, batch: Any, *, stage: int,
                      change: Callable[[nn.Module], None], ranks: Sequence[int]) -> Any:
     """`init` from `model`, then `change` the module on `ranks`, then one step: the outcome."""
-    state = fzero.init(model, stage=stage, optimizer=make_optimizer(("sgd", SGD)), comm=comm)
+    state = fzero.init(model, stage=stage, optimizer=make_optimizer(("sgd", SGD)), comm=comm,
+                       buckets=per_block(model))
     if comm.rank in ranks:
         change(model)
     step = fzero.make_train_step(model, mse_loss if not isinstance(model, TinyGPT) else gpt_loss)
@@ -737,7 +742,8 @@ class TwinLinear(nn.Module):
 def donation_body(comm: Comm, model: nn.Module, batches: Sequence[Any], *, stage: int
                   ) -> dict[str, Any]:
     """Consumed states raise; `clone_state` keeps the old values while training goes on."""
-    state = fzero.init(model, stage=stage, optimizer=make_optimizer(("adamw", ADAMW)), comm=comm)
+    state = fzero.init(model, stage=stage, optimizer=make_optimizer(("adamw", ADAMW)), comm=comm,
+                       buckets=per_block(model))
     step = fzero.make_train_step(model, mse_loss)
     local = [rank_rows(b, comm.rank, comm.world_size) for b in batches]
     kept = fzero.clone_state(state)

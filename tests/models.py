@@ -44,6 +44,14 @@ def seeded(seed: int) -> Iterator[None]:
         yield
 
 
+def per_block(model: nn.Module) -> Callable[[nn.Module], bool]:
+    """A ``buckets=`` predicate giving one bucket per element of every list container of
+    `model`, however small: the default policy without its size floor, which would put each of
+    these tiny models in one or two buckets. Tests use it to exercise many buckets."""
+    blocks = {id(sub) for name, sub in model.named_modules() if name.rpartition(".")[2].isdigit()}
+    return lambda module: id(module) in blocks
+
+
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

@@ -21,7 +21,7 @@ from fzero.comm import Comm
 from fzero.layout import ShardLayout
 from fzero.state import ShardState
 
-from models import seeded, split_batch
+from models import per_block, seeded, split_batch
 
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 """fzero.optim.adamw and torch.optim.AdamW hyperparameters of the parity runs."""
@@ -167,7 +167,7 @@ def train_body(
     prefetch: int = 1,
     loss_fn: Callable[..., Tensor] | None = None,
     skeleton: nn.Module | None = None,
-    buckets: Any = None,
+    buckets: Any = per_block,
     loss_scale: float | None = None,
     master: bool = False,
     emulated_delay: float | None = None,
@@ -175,6 +175,7 @@ def train_body(
     """Train `steps` steps on this rank's slices of `batches` (cycled); report what happened.
 
     Args:
+        buckets: the bucket policy; default `models.per_block` (one bucket per block).
         skeleton: the module the step runs (e.g. on the meta device); the state is built from
             `model` either way.
         loss_scale: replace the fp16 state's initial loss scale.
@@ -186,6 +187,8 @@ def train_body(
         ``losses`` and ``metrics`` per step, final ``params`` (`full_params`), ``master`` when
         asked, the final ``step``, and the ``layout``.
     """
+    if buckets is per_block:
+        buckets = per_block(model)
     state = fzero.init(
         model, stage=stage, optimizer=make_optimizer(opt), comm=comm, buckets=buckets,
         param_dtype=param_dtype,

@@ -300,6 +300,7 @@ CASES = [
     Case("plan: buckets a class with a mapping",
          lambda c: fzero.plan(c.params, 2, buckets=nn.Linear), TE, "needs plan\\(model"),
     Case("plan: cap 0", lambda c: fzero.plan(c.model, 2, cap=0), VE, "cap must be"),
+    Case("plan: floor 0", lambda c: fzero.plan(c.model, 2, floor=0), VE, "floor must be"),
     # --- shard / unshard / flatten / unflatten ------------------------------------------------
     Case("shard: rank == world_size", lambda c: fzero.shard(c.params, c.layout, 2), VE,
          r"rank must be an int in \[0, 2\), got rank=2"),

@@ -271,7 +271,7 @@ def test_byte_counts_worked_example() -> None:
         "h.1.w": torch.zeros(7, requires_grad=True),
         "h.2.w": torch.zeros(3, dtype=torch.float64, requires_grad=True),
     }
-    layout = fzero.plan(params, 4)
+    layout = fzero.plan(params, 4, floor=1)
     assert [b.padded_numel for b in layout.buckets] == [12, 8, 4]
     grads = [{} for _ in range(4)]
     (res, *_) = SimWorld(4).run(cb.gather_scatter_body, layout, params, grads, [0], 1, None)
@@ -300,7 +300,7 @@ def test_sim_two_gather_async_in_flight(n: int) -> None:
             seed=n,
         )
     )
-    layout = fzero.plan(params, n)
+    layout = fzero.plan(params, n, floor=1)
     flats = fzero.flatten(params, layout)
     for first, second in [(0, 1), (2, 0), (1, 1)]:
         for out_a, out_b, again, same in SimWorld(n).run(

@@ -11,6 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fzero
 from fzero.simworld import SimWorldError
 
+from models import per_block
+
 
 class Stack(nn.Module):
     """Untied: embedding, a ModuleList of blocks (one bucket each), a head. ~5k parameters."""
@@ -117,7 +119,7 @@ class LargestAllocation(TorchDispatchMode):
 
 def test_sharded_init_never_allocates_more_than_a_bucket():
     model = meta_model()
-    layout = fzero.plan(model, 1)
+    layout = fzero.plan(model, 1, buckets=per_block(model))
     largest_bucket = max(b.padded_numel for b in layout.buckets) * 4
     whole = layout.padded_numel * 4
     assert largest_bucket * 3 < whole  # the bound below means something
@@ -125,7 +127,7 @@ def test_sharded_init_never_allocates_more_than_a_bucket():
     def body(comm):
         with LargestAllocation() as tracker:
             fzero.init(model, stage=3, comm=comm, optimizer=fzero.optim.adamw(),
-                       init_fn=init_fn)
+                       init_fn=init_fn, buckets=per_block(model))
         return tracker.largest
 
     (largest,) = fzero.SimWorld(1, copy_args=False).run(body)

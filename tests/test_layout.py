@@ -132,7 +132,7 @@ def test_fingerprint_changes_with_anything_that_defines_the_layout(spec, world, 
 
 
 def test_default_policy_buckets_each_list_element_and_ties_once():
-    layout = fzero.plan(Net(), 3)
+    layout = fzero.plan(Net(), 3, floor=1)
     assert [b.label for b in layout.buckets] == [
         "embed",
         "blocks.0",
@@ -143,6 +143,47 @@ def test_default_policy_buckets_each_list_element_and_ties_once():
     embed = layout.buckets[0].entries[0]
     assert embed.name == "embed.weight" and embed.aliases == ("head.weight",)
     assert layout.numel == 11 * 5 + 3 * (5 * 5 + 5 + 5 + 5) + 10
+
+
+def test_default_policy_merges_small_blocks_up_to_the_floor():
+    net = Net()  # blocks of 40 elements, the final norm 10, the tied embedding 55
+    assert [(b.label, b.numel) for b in fzero.plan(net, 3).buckets] == [
+        ("embed", 55), ("blocks.0..final", 130)]  # tied: alone (used first and last)
+    assert [(b.label, b.numel) for b in fzero.plan(net, 3, floor=41).buckets] == [
+        ("embed", 55), ("blocks.0..final", 130)]  # each block is under 41: merged, all
+    assert [(b.label, b.numel) for b in fzero.plan(net, 3, floor=40).buckets] == [
+        ("embed", 55), ("blocks.0", 40), ("blocks.1", 40), ("blocks.2..final", 50)]  # norm: 10
+    assert fzero.plan(net, 3, floor=1) == fzero.plan(net, 3, buckets=Block)
+    assert fzero.plan(net, 3, buckets=Block, floor=10**9) == fzero.plan(net, 3, buckets=Block)
+
+
+@given(worlds_and_trees(), st.integers(1, 300))
+def test_the_floor_merges_consecutive_groups_of_one_kind(case, floor):
+    world, spec = case
+    params = spec.build()
+    blocks = fzero.plan(params, world, floor=1)
+    merged = fzero.plan(params, world, floor=floor)
+    parts = iter(blocks.buckets)
+    for bucket in merged.buckets:  # each bucket: consecutive per-block buckets of its kind
+        run = [next(parts)]
+        while sum(len(b.entries) for b in run) < len(bucket.entries):
+            run.append(next(parts))
+        assert [e.name for b in run for e in b.entries] == [e.name for e in bucket.entries]
+        assert {(b.trainable, b.dtype) for b in run} == {(bucket.trainable, bucket.dtype)}
+        if len(run) > 1:
+            assert not any(e.aliases for e in bucket.entries)
+            assert bucket.label == f"{run[0].label}..{run[-1].label}"
+    assert next(parts, None) is None
+
+    def mergeable(bucket):  # its group had one kind and no tie
+        return "[" not in bucket.label and not any(e.aliases for e in bucket.entries)
+
+    if floor == 1:  # merges nothing, not even empty groups
+        assert merged == blocks
+        return
+    for a, b in zip(merged.buckets, merged.buckets[1:], strict=False):
+        if mergeable(a) and mergeable(b) and (a.trainable, a.dtype) == (b.trainable, b.dtype):
+            assert a.numel >= floor and b.numel >= floor  # else they would be one bucket
 
 
 def test_module_class_and_predicate_policies():

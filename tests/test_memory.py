@@ -15,6 +15,8 @@ from torch import nn
 import fzero
 from fzero import memory
 
+from models import per_block
+
 # Table 1 of Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 # Models" (SC'20): per-device model-state memory in GB (1e9 bytes), K = 12, for P_os (stage 1),
 # P_os+g (stage 2) and P_os+g+p (stage 3). Kept as the printed strings so each entry's precision
@@ -249,7 +251,8 @@ def _measured_step(comm, model, stage):
     def loss_fn(call, batch):
         return call(batch).square().mean()
 
-    state = fzero.init(model, stage=stage, optimizer=fzero.optim.adamw(), comm=comm)
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.adamw(), comm=comm,
+                       buckets=per_block(model))
     step = fzero.make_train_step(model, loss_fn)
     batch = torch.ones(4, 8)
     state, _ = step(state, batch)
@@ -260,7 +263,7 @@ def _measured_step(comm, model, stage):
 def test_measure_splits_a_real_step(stage):
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
-    layout = fzero.plan(model, 2)
+    layout = fzero.plan(model, 2, buckets=per_block(model))
     largest = max(b.padded_numel for b in layout.buckets) * 4
     for metrics, report in fzero.SimWorld(2).run(_measured_step, model, stage):
         assert report.source == "rss"
