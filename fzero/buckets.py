@@ -172,6 +172,7 @@ class Reducer:
         self.next = 0  # position in `order` of the next bucket to launch
         self.pending: list[_Flight] = []
         self.results: dict[int, Tensor] = {}
+        self.spares: list[Tensor] = []  # flat gradient buffers of settled reductions
         self.live_bytes = 0  # flat gradient buffers alive (being reduced)
         self.peak_bytes = 0
 
@@ -223,7 +224,7 @@ class Reducer:
         assert grad is not None
         if self.mode == "scatter_leaves":
             self._settle_previous()
-            flat = torch.empty(bucket.padded_numel, dtype=grad.dtype, device=grad.device)
+            flat = self._scratch(bucket.padded_numel, grad)
             self.live_bytes += flat.numel() * flat.element_size()
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             with torch.no_grad():  # one pass: each element is copied or zeroed once
@@ -235,7 +236,9 @@ class Reducer:
                         piece.view(entry.shape).copy_(leaf.grad)
                     leaf.grad = None
                 flat[bucket.numel :].zero_()  # padding
-            self._fly(index, reduce_scatter_bucket(self.comm, bucket, flat, streams=self.streams))
+            out = shard_view(flat, bucket, self.comm.rank) if self.comm.in_place else None
+            self._fly(index, reduce_scatter_bucket(self.comm, bucket, flat, out=out,
+                                                   streams=self.streams), scratch=flat)
             return
         if zero:
             grad.zero_()
@@ -251,7 +254,19 @@ class Reducer:
                 lambda g=grad: self.comm.all_reduce(g, op="avg", async_op=True,
                                                     label=f"of bucket {bucket.label!r}")))
 
-    def _fly(self, index: int, pending: Pending) -> None:
+    def _scratch(self, numel: int, like: Tensor) -> Tensor:
+        """A ``(numel,)`` buffer for a flat gradient: the smallest spare one that fits (a
+        settled reduction's), else a new one. Reusing them spares the allocator a fresh
+        bucket-sized block per bucket, which on CPU is mapped and zeroed page by page."""
+        fits = [i for i, spare in enumerate(self.spares)
+                if spare.numel() >= numel and spare.dtype == like.dtype
+                and spare.device == like.device]
+        if not fits:
+            return torch.empty(numel, dtype=like.dtype, device=like.device)
+        best = min(fits, key=lambda i: self.spares[i].numel())
+        return self.spares.pop(best)[:numel]
+
+    def _fly(self, index: int, pending: Pending, *, scratch: Tensor | None = None) -> None:
         launched = time.monotonic()
 
         def wait() -> float:
@@ -259,7 +274,7 @@ class Reducer:
             return time.monotonic() - launched
 
         host = self.waiter.submit(wait) if self.waiter is not None else None
-        self.pending.append(_Flight(index, pending, host))
+        self.pending.append(_Flight(index, pending, host, scratch))
 
     def _patience(self) -> float:
         """Four times the median duration of the reductions waited for, within
@@ -303,6 +318,8 @@ class Reducer:
             assert target is not None
             target.add_(value)
             self.live_bytes -= self.layout.buckets[index].padded_numel * value.element_size()
+            assert flight.scratch is not None
+            self.spares.append(flight.scratch)  # its reduction is done: free for the next
         else:
             self.results[index] = value
 
@@ -318,6 +335,7 @@ class _Flight(NamedTuple):
     index: int
     pending: Pending
     host: Future[float] | None
+    scratch: Tensor | None  # the flat gradient buffer it reduces, returned to the spares
 
     def done(self) -> bool:
         return self.host.done() if self.host is not None else self.pending.is_completed()
