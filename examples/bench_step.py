@@ -15,7 +15,8 @@ own ``"AdamW"`` optimizer (FusedAdam; on CPU a C++ op it compiles on first use) 
 groups. So the last-step losses agree too.
 
 Each row runs in a fresh set of ``nproc`` spawned processes (gloo on CPU, NCCL on CUDA), so a
-row's peak RSS (the kernel's VmHWM high-water mark, reset at exec) is its own. Per step, the
+row's peak RSS (the kernel's VmHWM high-water mark, reset at exec) is its own; a second column
+gives the peak of the timed steps alone (reset after the warm-up), without init. Per step, the
 ranks meet at a barrier and then time the step; a step's time is the slowest rank's. A row's
 time in one round is the median over ``--steps`` timed steps after ``--warmup``; the rows run
 ``--rounds`` times, interleaved (every row, then every row again), and the table gives the
@@ -361,6 +362,9 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
     times, losses = [], []
     for i, b in enumerate(batches):
         if i == warmup:
+            # The peak so far (init, warm-up) is kept; the timed steps get a peak of their own.
+            peak_before_steps = fzero.memory.peak_rss_bytes()
+            fzero.memory.reset_peak_rss()
             cpu0, busy0, wall0 = cpu_seconds(), machine_busy_seconds(), time.perf_counter()
             if profile is not None:
                 profile.enable()
@@ -385,7 +389,8 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
         "loss": last.item() / world,
         "state_bytes": state_bytes(),
         "rss_before_mib": rss_before,
-        "rss_peak_mib": fzero.memory.peak_rss_bytes() / 2**20,
+        "rss_peak_mib": max(peak_before_steps, fzero.memory.peak_rss_bytes()) / 2**20,
+        "rss_steps_peak_mib": fzero.memory.peak_rss_bytes() / 2**20,
         "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if use_cuda else None,
         "cpu_seconds": cpu,
         "wall_seconds": wall,
@@ -482,6 +487,8 @@ def summarize(rounds: list[dict], quiet: float | None) -> dict:
         "peak": [max(r["ranks"][k]["rss_peak_mib"] for r in done) for k in range(nranks)],
         "delta": [max(r["ranks"][k]["rss_peak_mib"] - r["ranks"][k]["rss_before_mib"]
                       for r in done) for k in range(nranks)],
+        "steps_peak": [max(r["ranks"][k]["rss_steps_peak_mib"] for r in done)
+                       for k in range(nranks)],
         "state": [done[-1]["ranks"][k]["state_bytes"] / 2**20 for k in range(nranks)],
         "loss": done[-1]["ranks"][0]["loss"],
         "others": [r["others_cores"] for r in done if "others_cores" in r],
@@ -514,7 +521,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
     ap.add_argument("--buckets", type=int, default=None, metavar="ELEMENTS",
                     help="fzero rows: buckets=ELEMENTS (size-capped buckets) instead of the "
-                         "default one bucket per block")
+                         "default policy (one bucket per block, small blocks merged)")
     args = ap.parse_args()
     if int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun, rank 0 drives every row's fresh processes
@@ -607,14 +614,15 @@ def print_tables(rows, results, args, cfg, batch) -> None:
     print(
         "\n| trainer | step ms: median of rounds (each round's; [loaded]) | tokens/s | vs DDP "
         "| vs ZeRO-opt | vs FSDP2 | CPU ms/step, all ranks | state MiB/rank "
-        "| peak RSS MiB/rank (Δ from start) | last loss | load 1 min / others' cores |"
+        "| peak RSS MiB/rank (Δ from start) | peak RSS in timed steps | last loss "
+        "| load 1 min / others' cores |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     tokens = batch * cfg.seq_len
     for row in rows:
         res = results[row]
         if "error" in res:
-            print(f"| {LABELS[row]} | not run: {res['error']} | | | | | | | | | |")
+            print(f"| {LABELS[row]} | not run: {res['error']} | | | | | | | | | | |")
             continue
         state = "-" if min(res["state"]) < 0 else fmt_mib(res["state"])
         rounds = ", ".join(fmt_ms(m) if used else f"[{fmt_ms(m)}]" for m, used in res["medians"])
@@ -625,7 +633,8 @@ def print_tables(rows, results, args, cfg, batch) -> None:
             f"| {LABELS[row]} | {fmt_ms(res['median'])} ({rounds}{failed}) "
             f"| {tokens / res['median']:,.0f} | {ratio(res, 'ddp')} | {ratio(res, 'ddp_zero')} "
             f"| {ratio(res, 'fsdp2')} | {fmt_ms(res['cpu'])} | {state} | {fmt_mib(res['peak'])} "
-            f"({fmt_mib(res['delta'])}) | {res['loss']:.4f} | {load} / {others} |"
+            f"({fmt_mib(res['delta'])}) | {fmt_mib(res['steps_peak'])} | {res['loss']:.4f} "
+            f"| {load} / {others} |"
         )
     cuda = [(row, results[row]) for row in rows if any(results[row].get("cuda") or [])]
     if cuda:

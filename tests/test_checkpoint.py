@@ -404,10 +404,10 @@ PEAK_SCRIPT = r"""
 import json, sys
 import torch
 import fzero
-from fzero.memory import _reset_peak_rss, _status_bytes
+from fzero.memory import reset_peak_rss, _status_bytes
 
 what, src, dst = sys.argv[1:4]
-base = _reset_peak_rss()
+base = reset_peak_rss()
 if what == "consolidate":
     out = fzero.consolidate(src)
     kept = sum(t.numel() * t.element_size() for t in {id(t): t for t in out.values()}.values())

@@ -278,3 +278,13 @@ def test_measure_splits_a_real_step(stage):
         # bucket's full gradient at a time; stage 1 keeps full gradients, never bucket copies.
         assert report.gathered_bytes_peak == (2 * largest if stage == 3 else 0)
         assert report.grad_bytes_peak == (largest if stage >= 2 else 0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and clear_refs: Linux")
+def test_reset_peak_rss_starts_a_new_high_water_mark():
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    high = memory.peak_rss_bytes()
+    del block
+    now = memory.reset_peak_rss()
+    assert now == pytest.approx(memory.rss_bytes(), abs=8 * 2**20)
+    assert memory.peak_rss_bytes() < high - 32 * 2**20  # the freed block is out of the peak

@@ -39,6 +39,7 @@ __all__ = [
     "measure",
     "parse_count",
     "peak_rss_bytes",
+    "reset_peak_rss",
     "rss_bytes",
     "storage_bytes",
 ]
@@ -330,7 +331,7 @@ def measure(step: Callable[[Any, Any], tuple[Any, dict[str, Any]]], state: Any, 
         torch.cuda.synchronize(device)
         peak, source = torch.cuda.max_memory_allocated(device) - start, "cuda"
     else:
-        start = _reset_peak_rss()
+        start = reset_peak_rss()
         state, metrics = step(state, batch)
         peak, source = max(0, _status_bytes("VmHWM") - start), "rss"
     gathered = int(metrics.get("gathered_bytes_peak", 0))
@@ -389,8 +390,10 @@ def _status_bytes(field: str) -> int:
     return 0
 
 
-def _reset_peak_rss() -> int:
-    """Reset the peak resident set to the current one (Linux); return the current one."""
+def reset_peak_rss() -> int:
+    """Reset this process's peak resident set (`peak_rss_bytes`) to the current one, so a
+    later peak covers only what runs after (Linux ``/proc/self/clear_refs``; elsewhere the
+    peak keeps covering the process's lifetime). Returns the current resident set in bytes."""
     try:
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")
