@@ -7,9 +7,10 @@
 Rows: DDP + torch.optim.AdamW; DDP + ZeroRedundancyOptimizer(AdamW); FSDP2 (`fully_shard` per
 block, then the root); fzero stages 1, 2, 3; DeepSpeed ZeRO 1, 2, 3 (when `deepspeed` is
 installed: ``pip install -e ".[bench]"``; on CPU it runs with ``DS_ACCELERATOR=cpu``, which this
-script sets). Every row trains the GPT of `train_gpt.py` from the same seed on the same token
-batches, in fp32, with AdamW(lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on the
-parameters with 2+ dims, `fzero.decay_matrices`, none on biases and norms): torch rows use
+script sets). Every row trains the GPT of `train_gpt.py` with the same weights (`weight_init`,
+GPT-2's init drawn module by module from one seed) on the same token batches, in fp32, with
+AdamW(lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on the parameters with 2+ dims,
+`fzero.decay_matrices`, none on biases and norms): torch rows use
 torch.optim.AdamW with two parameter groups, fzero ``decay=fzero.decay_matrices``, DeepSpeed its
 own ``"AdamW"`` optimizer (FusedAdam; on CPU a C++ op it compiles on first use) with the same
 groups. So the last-step losses agree too.
@@ -23,9 +24,11 @@ time in one round is the median over ``--steps`` timed steps after ``--warmup``;
 median of the round medians and their spread (min–max), so slow drifts of the machine hit every
 row alike. Under torchrun only rank 0 drives; the others exit at once.
 
-fzero's rows move the module to ``meta`` after `fzero.init` (its values were copied into the
-state; fzero calls it only as a function), as a user does to free that memory; the other
-trainers use the module's own tensors as their parameters.
+fzero's rows build the module on ``meta`` and let `fzero.init` materialize it one bucket at a
+time (``init_fn=``, sharded init: no full copy of the weights beside the state; fzero calls the
+module only as a function; the no-op comm rows for t_compute copy a materialized module
+instead); the other trainers materialize the module and use its own tensors as their parameters
+(FSDP2 shards them in place).
 
 State bytes are the persistent model state a rank holds after a step: parameters, gradients
 and optimizer state, each storage once (FSDP2 and ZeroRedundancyOptimizer: the local shards;
@@ -86,6 +89,7 @@ SIZES = {  # name: (model config, global batch in sequences)
     "300m": (GPTConfig(seq_len=64, n_layer=24, n_head=16, d_model=1024), 4),
 }
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.1
+SEED = 0  # of the weights (`weight_init`)
 DECAY = fzero.decay_matrices  # every row: decay parameters with 2+ dims, not biases and norms
 TORCH_ROWS = ("ddp", "ddp_zero", "fsdp2")
 FZERO_ROWS = ("fzero_1", "fzero_2", "fzero_3")
@@ -182,6 +186,44 @@ def decay_groups(model: nn.Module) -> list[dict]:
     ]
 
 
+def weight_init(model: nn.Module):
+    """``init(module)``: GPT-2 init of one module's *own* parameters (N(0, 0.02) matrices, the
+    residual projections' scaled by 1/sqrt(2 * n_layer); LayerNorm weights 1, biases 0), each
+    parameter once (a tied one by its first owner). Called on every module in
+    ``model.modules()`` order after ``torch.manual_seed(SEED)``, it gives a materialized model
+    the values that ``fzero.init(meta_model, init_fn=init)`` gives its state, bucket by bucket."""
+    scaled = 0.02 / (2 * len(model.blocks)) ** 0.5
+    for name, module in model.named_modules():  # an attribute: fzero passes init a copy
+        if name.endswith("proj"):
+            module.init_std = scaled
+
+    def init(module: nn.Module) -> None:
+        with torch.no_grad():
+            for name, p in module.named_parameters(recurse=False):
+                if p.dim() >= 2:
+                    nn.init.normal_(p, std=getattr(module, "init_std", 0.02))
+                elif name == "weight":
+                    nn.init.ones_(p)
+                else:
+                    nn.init.zeros_(p)
+
+    return init
+
+
+def materialized(cfg: GPTConfig, device) -> nn.Module:
+    """The GPT, materialized on `device`, with `weight_init`'s values."""
+    model = GPT(cfg, seed=0).to(device)
+    init = weight_init(model)
+    seen: set[int] = set()
+    torch.manual_seed(SEED)
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        if own:
+            seen.update(id(p) for p in own)
+            init(module)
+    return model
+
+
 def make_batches(cfg: GPTConfig, batch: int, count: int, rank: int, world: int, device):
     """``count`` (x, y) pairs: this rank's rows of the same seeded global batches, (B/N, T)."""
     gen = torch.Generator().manual_seed(1234)
@@ -256,12 +298,18 @@ def build_fsdp2(model: nn.Module, device, world: int):
 
 
 def build_fzero(model: nn.Module, stage: int, comm, buckets: int | None):
+    """From a `meta` model, fzero materializes the weights one bucket at a time (`init_fn`), so
+    no full copy of them ever exists beside the state. From a materialized one (the no-op comm
+    rows: init's broadcast from rank 0 does nothing there) it copies them, and the module then
+    moves to `meta` to drop its own 4Ψ bytes."""
     optimizer = fzero.optim.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    on_meta = next(model.parameters()).is_meta
+    torch.manual_seed(SEED)
     state = fzero.init(
         model, stage=stage, optimizer=optimizer, comm=comm, param_dtype=torch.float32,
-        buckets=buckets,
+        buckets=buckets, init_fn=weight_init(model) if on_meta else None,
     )
-    model.to("meta")  # fzero needs the module only as a function: drop its own 4Ψ bytes
+    model.to("meta")
     train_step = fzero.make_train_step(model, loss_fn, decay=DECAY)
     box = {"state": state, "metrics": {}}
 
@@ -343,7 +391,11 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
     cfg, batch = SIZES[spec["size"]]
     batch = spec.get("batch") or batch  # global batch, in sequences
     rss_before = fzero.memory.rss_bytes() / 2**20
-    model = GPT(cfg, seed=0).to(device)
+    if row.startswith("fzero_") and not row.endswith(COMPUTE):
+        with torch.device("meta"):
+            model = GPT(cfg, seed=0)
+    else:
+        model = materialized(cfg, device)
     nocomm = None
     if row in ("ddp", "ddp_zero"):
         step, state_bytes = build_ddp(model, device, zero=row == "ddp_zero")
