@@ -214,6 +214,7 @@ class Reducer:
         for flight in self.pending:
             self._settle(flight)
         self.pending = []
+        self.spares.clear()  # reused within a round only: nothing bucket-sized outlives it
         self.ready = [False] * len(self.ready)
         self.next = 0
         return [self.results.get(i, self.grads[i]) for i in sorted(self.order)]

@@ -21,7 +21,7 @@ from fzero.comm import Comm
 from fzero.layout import ShardLayout
 from fzero.state import ShardState
 
-from models import per_block, seeded, split_batch
+from models import TinyGPT, per_block, seeded, split_batch
 
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 """fzero.optim.adamw and torch.optim.AdamW hyperparameters of the parity runs."""
@@ -484,3 +484,32 @@ def padding_bytes(layout: ShardLayout, stage: int, moment_bytes: int = 8) -> flo
         }[stage]
         total += pad * full + pad * sharded / n
     return total
+
+
+def flat_buffers_alive_after_steps(comm: Comm, stage: int, steps: int) -> tuple[int, int]:
+    """`steps` steps of a 2-block TinyGPT with the garbage collector off: how many of the flat
+    gradient buffers the steps reduced are still alive, and how many there were."""
+    import gc
+    import weakref
+
+    flats: list[weakref.ref] = []
+    real = fzero.buckets.reduce_scatter_bucket
+
+    def logged(comm: Any, bucket: Any, flat: Tensor, **kwargs: Any) -> Any:
+        flats.append(weakref.ref(flat if flat._base is None else flat._base))
+        return real(comm, bucket, flat, **kwargs)
+
+    model = TinyGPT(n_layer=2)
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm,
+                       buckets=per_block(model))
+    step = fzero.make_train_step(model, TinyGPT.loss_fn)
+    fzero.buckets.reduce_scatter_bucket = logged
+    gc.disable()
+    try:
+        for seed in range(steps):
+            batch = split_batch(TinyGPT.make_batch(seed, 4), comm.rank, comm.world_size)
+            state, _ = step(state, batch)
+        return sum(ref() is not None for ref in flats), len(flats)
+    finally:
+        gc.enable()
+        fzero.buckets.reduce_scatter_bucket = real
