@@ -505,17 +505,18 @@ def _merge_small(
         tied = any(aliases[n] for n in names)
         return next(iter(kinds)) if len(kinds) == 1 and not tied else None
 
-    merged: list[tuple[str, str, list[str], int]] = []  # first label, last label, names, size
+    # first label, last label, names, size, kind (None: never merged)
+    merged: list[tuple[str, str, list[str], int, tuple[bool, torch.dtype] | None]] = []
     for label, names in groups:
-        size = sum(tensors[n].numel() for n in names)
-        if merged and kind(names) is not None and kind(merged[-1][2]) == kind(names) and (
+        size, this = sum(tensors[n].numel() for n in names), kind(names)
+        if merged and this is not None and merged[-1][4] == this and (
                 merged[-1][3] < floor or size < floor):
-            first, _, before, filled = merged[-1]
-            merged[-1] = (first, label, before + names, filled + size)
+            first, _, before, filled, _ = merged[-1]
+            merged[-1] = (first, label, before + names, filled + size, this)
         else:
-            merged.append((label, label, list(names), size))
+            merged.append((label, label, list(names), size, this))
     return [(first if first == last else f"{first}..{last}", names)
-            for first, last, names, _ in merged]
+            for first, last, names, _, _ in merged]
 
 
 def _list_element_prefix(name: str) -> str | None:

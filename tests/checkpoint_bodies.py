@@ -19,7 +19,7 @@ import fzero
 from fzero.comm import Comm
 from fzero.state import ShardState
 
-from models import per_block, seeded, split_batch
+from models import bucket_policy, per_block, seeded, split_batch
 from step_bodies import ADAMW, OptSpec, make_optimizer
 
 
@@ -80,10 +80,8 @@ def train_save_body(
 ) -> dict[str, Any]:
     """Init, train `steps` steps, save to `path`; the losses and a snapshot of the saved state.
     `buckets` defaults to `models.per_block` (one bucket per block)."""
-    if buckets is per_block:
-        buckets = per_block(model)
     state = fzero.init(model, stage=stage, optimizer=make_optimizer(opt), comm=comm,
-                       buckets=buckets, param_dtype=param_dtype)
+                       buckets=bucket_policy(model, buckets), param_dtype=param_dtype)
     if loss_scale is not None:
         state = dataclasses.replace(state, loss_scale=loss_scale)
     state, losses = _train(comm, model, state, batches, 0, steps, loss_fn=loss_fn)

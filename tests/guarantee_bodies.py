@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import fzero
 from fzero.comm import Comm
 
-from models import TinyGPT, per_block, seeded
+from models import TinyGPT, bucket_policy, per_block, seeded
 
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 """fzero.optim.adamw and torch.optim.AdamW hyperparameters (decay on: skipping it is visible)."""
@@ -548,10 +548,8 @@ def train(
     """
     if prepare is not None:
         model = prepare(model)
-    if buckets is per_block:
-        buckets = per_block(model)
     state = fzero.init(model, stage=stage, optimizer=make_optimizer(opt), comm=comm,
-                       buckets=buckets, **(init_kwargs or {}))
+                       buckets=bucket_policy(model, buckets), **(init_kwargs or {}))
     if after_init is not None:
         model = after_init(model)
     calls = [0]
@@ -639,7 +637,7 @@ def train_through_failure(
     and the bytes it sent on the main channel (gradients; stage-3 gathers have their own), and
     training continues from the same state."""
     state = fzero.init(model, stage=stage, optimizer=make_optimizer(("adamw", ADAMW)), comm=comm,
-                       buckets=per_block(model) if buckets is per_block else buckets)
+                       buckets=bucket_policy(model, buckets))
     step = fzero.make_train_step(model, loss_fn)
     losses, errors = [], {}
     for index, batch in enumerate(batches):

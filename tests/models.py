@@ -18,7 +18,7 @@ import contextlib
 import copy
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,12 @@ def per_block(model: nn.Module) -> Callable[[nn.Module], bool]:
     these tiny models in one or two buckets. Tests use it to exercise many buckets."""
     blocks = {id(sub) for name, sub in model.named_modules() if name.rpartition(".")[2].isdigit()}
     return lambda module: id(module) in blocks
+
+
+def bucket_policy(model: nn.Module, buckets: Any) -> Any:
+    """`buckets` as given, or `per_block(model)` when it is `per_block` itself (the default of
+    the test bodies that build states)."""
+    return per_block(model) if buckets is per_block else buckets
 
 
 def _generator(seed: int) -> torch.Generator:

@@ -21,7 +21,7 @@ from fzero.comm import Comm
 from fzero.layout import ShardLayout
 from fzero.state import ShardState
 
-from models import TinyGPT, per_block, seeded, split_batch
+from models import TinyGPT, bucket_policy, per_block, seeded, split_batch
 
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 """fzero.optim.adamw and torch.optim.AdamW hyperparameters of the parity runs."""
@@ -187,10 +187,9 @@ def train_body(
         ``losses`` and ``metrics`` per step, final ``params`` (`full_params`), ``master`` when
         asked, the final ``step``, and the ``layout``.
     """
-    if buckets is per_block:
-        buckets = per_block(model)
     state = fzero.init(
-        model, stage=stage, optimizer=make_optimizer(opt), comm=comm, buckets=buckets,
+        model, stage=stage, optimizer=make_optimizer(opt), comm=comm,
+        buckets=bucket_policy(model, buckets),
         param_dtype=param_dtype,
     )
     if loss_scale is not None:
