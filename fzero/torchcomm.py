@@ -20,7 +20,7 @@ from fzero.comm import CommBase, Work
 
 __all__ = ["NO_GROUP_HELP", "TRANSPORTS", "TorchComm"]
 
-TRANSPORTS: tuple[str, ...] = ("single", "per_rank")
+TRANSPORTS: tuple[str, ...] = ("single", "pairwise")
 """How `TorchComm` implements all-gather and reduce-scatter (see its docstring)."""
 
 NO_GROUP_HELP = (
@@ -28,6 +28,9 @@ NO_GROUP_HELP = (
     "fzero.init_distributed() (or use `with fzero.distributed() as comm:`) first, or "
     "torch.distributed.init_process_group(...) yourself."
 )
+
+
+_MAX_TAG = 2**31 - 1
 
 
 class _SingleTensorCollectives(NamedTuple):
@@ -92,17 +95,28 @@ def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
 class TorchComm(CommBase):
     """`Comm` over a `torch.distributed` process group (gloo on CPU, NCCL on CUDA).
 
-    Uses the single-tensor collectives (`all_gather_single` / `reduce_scatter_single`, or their
-    pre-2.13 names), so no per-rank tensor lists are built. "avg" uses `ReduceOp.AVG`; if the
-    backend rejects it (gloo before torch 2.13 does, identically on every rank and before any
-    communication), this comm switches to SUM followed by a division by world_size, which is
-    what AVG computes.
+    All-gather and reduce-scatter have two transports:
+
+    - ``"single"`` (NCCL's default): the single-tensor collectives (`all_gather_single` /
+      `reduce_scatter_single`, or their pre-2.13 names), no per-rank tensor lists.
+    - ``"pairwise"`` (gloo's default): every rank sends each other rank the chunk that rank
+      needs and receives its own directly (`isend` / `irecv`, one tag per collective, the same
+      on every rank): one round of messages, (N-1)/N of the data each way, as a ring. A
+      reduce-scatter receives the N-1 chunks into a scratch buffer and sums all N in rank
+      order (the same bits whichever rank sums); an all-gather receives straight into the
+      output. gloo's own single-tensor
+      collectives, and one reduce or broadcast per rank, are 1.2-2x slower on the same bytes
+      (see the README's performance notes). Both work in place (`in_place`).
+
+    "avg" uses `ReduceOp.AVG` (pairwise: the sum divided by N, which is what AVG computes); if
+    the backend rejects it (gloo before torch 2.13 does, identically on every rank and before
+    any communication), this comm switches to SUM followed by a division by world_size.
 
     Args:
         group: The process group; None for the default group.
         timeout: If given, the CPU-side wait of every collective is bounded by it (on NCCL this
             makes `wait()` block the CPU). None: the group's own timeout applies.
-        transport: ``"single"`` or ``"per_rank"`` (see above); None picks by backend.
+        transport: ``"single"`` or ``"pairwise"`` (see above); None picks by backend.
 
     Attributes:
         group: The process group (None: the default group).
@@ -142,14 +156,15 @@ class TorchComm(CommBase):
         self._ops = _single_tensor_collectives()
         self._native_avg = True
         if transport is None:
-            transport = "per_rank" if self.backend == "gloo" else "single"
+            transport = "pairwise" if self.backend == "gloo" else "single"
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport
-        # The per-rank transport copies the input into the output's chunk (a no-op when they
-        # alias) and reduces each chunk in place; the single-tensor collectives are not relied
-        # on for aliasing.
-        self.in_place = transport == "per_rank"
+        # The pairwise transport copies the input into the output's chunk (a no-op when they
+        # alias) and reduces into this rank's chunk in place; the single-tensor collectives are
+        # not relied on for aliasing.
+        self.in_place = transport != "single"
+        self._tag = 0  # pairwise: one tag per collective, the same on every rank
         self._global_ranks = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)
         ]
@@ -160,7 +175,7 @@ class TorchComm(CommBase):
         async_op: bool,
         then: Callable[[], object] | None = None,
     ) -> Work | None:
-        if async_op or self.timeout is not None or self.transport == "per_rank":
+        if async_op or self.timeout is not None or self.transport != "single":
             work = _TorchWork(start(True), self.timeout, then)
             if async_op:
                 return work
@@ -203,15 +218,28 @@ class TorchComm(CommBase):
         torch_op = _reduce_op(op)
         return self._issue(lambda a: start(torch_op, a), async_op)
 
+    def _next_tag(self) -> int:
+        self._tag = (self._tag + 1) % _MAX_TAG
+        return self._tag
+
+    def _exchange(self, sends: list[Tensor], recvs: list[Tensor]) -> list[Any]:
+        """Pairwise: send ``sends[q]`` to and receive ``recvs[q]`` from every other rank q
+        (lists indexed by group rank; this rank's entries are ignored)."""
+        tag = self._next_tag()
+        works = []
+        for q, peer in enumerate(self._global_ranks):
+            if q != self.rank:
+                works.append(dist.isend(sends[q], peer, group=self.group, tag=tag))
+                works.append(dist.irecv(recvs[q], peer, group=self.group, tag=tag))
+        return works
+
     def _all_gather(self, output: Tensor, input: Tensor, async_op: bool) -> Work | None:
-        if self.transport == "per_rank":
-            s = input.numel()
-            output[self.rank * s : (self.rank + 1) * s].copy_(input)
-            works = [
-                dist.broadcast(output[q * s : (q + 1) * s], src=src, group=self.group,
-                               async_op=True)
-                for q, src in enumerate(self._global_ranks)
-            ]
+        if self.transport == "pairwise":
+            s, n = input.numel(), self.world_size
+            chunks = list(output.split(s))
+            if chunks[self.rank].data_ptr() != input.data_ptr():  # not gathered in place
+                chunks[self.rank].copy_(input)
+            works = self._exchange([input] * n, chunks)
             return self._issue(lambda a: works, async_op)
         fn = self._ops.all_gather
         return self._issue(lambda a: fn(output, input, group=self.group, async_op=a), async_op)
@@ -219,21 +247,30 @@ class TorchComm(CommBase):
     def _reduce_scatter(
         self, output: Tensor, input: Tensor, op: str, async_op: bool
     ) -> Work | None:
-        if self.transport == "per_rank":
+        if self.transport == "pairwise":
             s, n = output.numel(), self.world_size
-            works = [
-                dist.reduce(input[q * s : (q + 1) * s], dst=dst, op=dist.ReduceOp.SUM,
-                            group=self.group, async_op=True)
-                for q, dst in enumerate(self._global_ranks)
-            ]
-            mine = input[self.rank * s : (self.rank + 1) * s]
+            chunks = list(input.split(s))
+            peers = [q for q in range(n) if q != self.rank]
+            received = input.new_empty((n - 1, s))  # each peer's chunk of this rank's shard
+            inbox = list(chunks)  # this rank's entry is not received
+            for row, q in enumerate(peers):
+                inbox[q] = received[row]
+            works = self._exchange(chunks, inbox)
 
-            def finish() -> None:
-                output.copy_(mine)
+            def add() -> None:  # in rank order, as one rank adding all chunks would
+                if output.data_ptr() != chunks[self.rank].data_ptr():  # not in place
+                    output.copy_(chunks[self.rank])
+                before, after = received[: self.rank], received[self.rank :]
+                if len(before):  # (c_0 + ... + c_{r-1}) + c_r: addition commutes exactly
+                    for row in before[1:]:
+                        before[0].add_(row)
+                    output.add_(before[0])
+                for row in after:
+                    output.add_(row)
                 if op == "avg":
-                    output.div_(n)  # what ReduceOp.AVG computes: the sum divided by N
+                    output.div_(n)
 
-            return self._issue(lambda a: works, async_op, then=finish)
+            return self._issue(lambda a: works, async_op, then=add)
         fn = self._ops.reduce_scatter
 
         def start(torch_op: Any, a: bool) -> Any:

@@ -171,3 +171,19 @@ def bad_transport_body(comm: Comm) -> None:
     from fzero.torchcomm import TorchComm
 
     TorchComm(transport="carrier-pigeon")
+
+
+def in_place_body(comm: Comm, inputs: list[Tensor]) -> dict[str, Tensor]:
+    """All-gather whose input is this rank's chunk of the output, and reduce-scatter whose
+    output is this rank's chunk of the input (as fzero's buckets use them when `in_place`)."""
+    n, r = comm.world_size, comm.rank
+    s = inputs[r].numel() // n
+    gathered = torch.full((n * s,), float("nan"), dtype=inputs[r].dtype)
+    gathered[r * s : (r + 1) * s] = inputs[r][:s]
+    comm.all_gather(gathered, gathered[r * s : (r + 1) * s])
+    out: dict[str, Tensor] = {"all_gather": gathered}
+    for op in ("sum", "avg"):
+        flat = inputs[r].clone()
+        comm.reduce_scatter(flat[r * s : (r + 1) * s], flat, op=op, async_op=True).wait()
+        out[f"reduce_scatter/{op}"] = flat[r * s : (r + 1) * s].clone()
+    return out

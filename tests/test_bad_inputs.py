@@ -710,7 +710,7 @@ def test_torch_comm_arguments_over_a_group(monkeypatch: pytest.MonkeyPatch) -> N
             fzero.TorchComm(timeout=-1)
         with pytest.raises(TypeError, match="timeout must be a timedelta, positive seconds"):
             fzero.TorchComm(timeout="5")
-        with pytest.raises(ValueError, match=r"transport must be one of \('single', 'per_rank'\)"):
+        with pytest.raises(ValueError, match=r"transport must be one of \('single', 'pairwise'\)"):
             fzero.TorchComm(transport="ring")
         with pytest.raises(ValueError, match="Group 3 is not registered"):
             fzero.TorchComm(group=3)

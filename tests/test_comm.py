@@ -552,13 +552,12 @@ def test_gloo_every_collective(gloo_pool: Any, n: int, dtype: torch.dtype) -> No
             exact(res[f"all_reduce/{op}"], ref_reduce(inputs, op))
         for op in ("sum", "avg"):
             rs, ar = res[f"reduce_scatter/{op}"], res[f"all_reduce/{op}"]
+            exact(rs, ref_reduce_scatter(inputs, op, r))  # the pairwise transport: rank order
             if n == 2:  # one addition: SimWorld and gloo agree bitwise
                 exact(rs, sim[f"reduce_scatter/{op}"])
                 exact(ar, sim[f"all_reduce/{op}"])
-                exact(rs, ref_reduce_scatter(inputs, op, r))
-            else:  # gloo adds in ring order
+            else:  # gloo's all-reduce adds in ring order
                 atol = order_tolerance(inputs, op)
-                torch.testing.assert_close(rs, ref_reduce_scatter(inputs, op, r), rtol=0, atol=atol)
                 torch.testing.assert_close(ar, ref_reduce(inputs, op), rtol=0, atol=atol)
         # gloo's AVG is its own SUM divided by N (not a multiplication by 1/N), at any N
         exact(res["reduce_scatter/avg"], res["reduce_scatter/sum"] / n)
@@ -569,21 +568,33 @@ def test_gloo_every_collective(gloo_pool: Any, n: int, dtype: torch.dtype) -> No
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_gloo_transports_agree(gloo_pool: Any, n: int) -> None:
-    """Broadcast/reduce per rank (gloo's default) and the single-tensor collectives: the same
-    results (bitwise at 2 ranks, one addition) and the same logical byte counts."""
+    """Pairwise sends (gloo's default) and the single-tensor collectives: the same results
+    (bitwise at 2 ranks, one addition) and the same logical byte counts."""
     inputs = cb.make_inputs(n, n * SHARD, torch.float32)
     for r, res in enumerate(gloo_pool(n).run(cb.every_collective_by_transport_body, inputs)):
-        per_rank, single = res["per_rank"], res["single"]
-        exact(per_rank["all_gather"], single["all_gather"])
+        pairwise, single = res["pairwise"], res["single"]
+        exact(pairwise["all_gather"], single["all_gather"])
         for op in ("sum", "avg"):
-            got, want = per_rank[f"reduce_scatter/{op}"], single[f"reduce_scatter/{op}"]
+            got, want = pairwise[f"reduce_scatter/{op}"], single[f"reduce_scatter/{op}"]
             if n == 2:
                 exact(got, want)
             else:
                 atol = order_tolerance(inputs, op)
                 torch.testing.assert_close(got, ref_reduce_scatter(inputs, op, r), rtol=0,
                                            atol=atol)
-        assert per_rank["counters"] == single["counters"]
+        assert pairwise["counters"] == single["counters"]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_collectives_in_place(gloo_pool: Any, n: int) -> None:
+    """fzero's buckets gather into, and reduce out of, the rank's own chunk of one buffer: the
+    default (pairwise) transport gives what separate tensors give, summing in rank order."""
+    inputs = cb.make_inputs(n, n * SHARD, torch.float32)
+    for r, res in enumerate(gloo_pool(n).run(cb.in_place_body, inputs)):
+        exact(res["all_gather"], torch.cat([x[:SHARD] for x in inputs]))
+        for op in ("sum", "avg"):
+            want = ref_reduce_scatter(inputs, op, r)
+            exact(res[f"reduce_scatter/{op}"], want)  # summed in rank order, as the reference
 
 
 def test_unknown_transport_is_rejected(gloo_pool: Any) -> None:
