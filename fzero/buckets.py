@@ -132,9 +132,12 @@ class Reducer:
 
     [Note: waiting inside backward]
     To keep one bucket's flat gradient alive at a time, ``"scatter_leaves"`` settles the
-    previous reduction before it copies the next bucket. On one channel that cannot deadlock:
-    launches follow one order, so whatever a rank waits for, the rank ahead has launched. Stage
-    3 also gathers on another channel, and a rank whose computation differs (a skipped block)
+    previous reduction before it copies the next bucket; ``"scatter_full"`` does too, so that a
+    transport's scratch (gloo's pairwise reduce-scatter receives each peer's chunk into a
+    buffer) exists for one bucket at a time, not for every bucket of a slow backward. On one
+    channel that cannot deadlock: launches follow one order, so whatever a rank waits for, the
+    rank ahead has launched. Stage 3 also gathers on another channel, and a rank whose
+    computation differs (a skipped block)
     may wait there for a rank that waits here: with `patience` the wait gives up after four
     times the typical (median) time a reduction has taken so far, at most `patience` seconds,
     and the reduction is collected later (`poll`, `finish`), trading memory for progress.
@@ -246,6 +249,7 @@ class Reducer:
         if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)
         if self.mode == "scatter_full":  # the rank's chunk of the full gradient holds its shard
+            self._settle_previous()  # the transport's receive buffers: one bucket's at a time
             out = shard_view(grad, bucket, self.comm.rank) if self.comm.in_place else None
             self._fly(index, reduce_scatter_bucket(self.comm, bucket, grad, out=out,
                                                    streams=self.streams))
