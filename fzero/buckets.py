@@ -137,10 +137,10 @@ class Reducer:
     buffer) exists for one bucket at a time, not for every bucket of a slow backward. On one
     channel that cannot deadlock: launches follow one order, so whatever a rank waits for, the
     rank ahead has launched. Stage 3 also gathers on another channel, and a rank whose
-    computation differs (a skipped block)
-    may wait there for a rank that waits here: with `patience` the wait gives up after four
-    times the typical (median) time a reduction has taken so far, at most `patience` seconds,
-    and the reduction is collected later (`poll`, `finish`), trading memory for progress.
+    computation differs (a skipped block) may wait there for a rank that waits here: with
+    `patience` the wait gives up after four times the typical (median) time a reduction has
+    taken so far, at most `patience` seconds, and the reduction is collected later (`poll`,
+    `finish`), trading memory for progress.
     """
 
     def __init__(
