@@ -104,9 +104,9 @@ class TorchComm(CommBase):
       on every rank): one round of messages, (N-1)/N of the data each way, as a ring. A
       reduce-scatter receives the N-1 chunks into a scratch buffer and sums all N in rank
       order (the same bits whichever rank sums); an all-gather receives straight into the
-      output. gloo's own single-tensor
-      collectives, and one reduce or broadcast per rank, are 1.2-2x slower on the same bytes
-      (see the README's performance notes). Both work in place (`in_place`).
+      output. gloo's own single-tensor collectives, and one gloo reduce or broadcast per rank,
+      are 1.2-2x slower on the same bytes (see the README's performance notes). Both
+      transports work in place (`in_place`).
 
     "avg" uses `ReduceOp.AVG` (pairwise: the sum divided by N, which is what AVG computes); if
     the backend rejects it (gloo before torch 2.13 does, identically on every rank and before
