@@ -100,8 +100,9 @@ class TorchComm(CommBase):
     - ``"single"`` (NCCL's default): the single-tensor collectives (`all_gather_single` /
       `reduce_scatter_single`, or their pre-2.13 names), no per-rank tensor lists.
     - ``"pairwise"`` (gloo's default): every rank sends each other rank the chunk that rank
-      needs and receives its own directly (`isend` / `irecv`, one tag per collective, the same
-      on every rank): one round of messages, (N-1)/N of the data each way, as a ring. A
+      needs and receives its own directly (`isend` / `irecv`, one tag per collective, counted
+      alike on every rank, so collectives in flight together never take each other's
+      messages): one round of messages, (N-1)/N of the data each way, as a ring. A
       reduce-scatter receives the N-1 chunks into a scratch buffer and sums all N in rank
       order (the same bits whichever rank sums); an all-gather receives straight into the
       output. gloo's own single-tensor collectives, and one gloo reduce or broadcast per rank,
