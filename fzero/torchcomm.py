@@ -219,14 +219,10 @@ class TorchComm(CommBase):
         torch_op = _reduce_op(op)
         return self._issue(lambda a: start(torch_op, a), async_op)
 
-    def _next_tag(self) -> int:
-        self._tag = (self._tag + 1) % _MAX_TAG
-        return self._tag
-
     def _exchange(self, sends: list[Tensor], recvs: list[Tensor]) -> list[Any]:
         """Pairwise: send ``sends[q]`` to and receive ``recvs[q]`` from every other rank q
         (lists indexed by group rank; this rank's entries are ignored)."""
-        tag = self._next_tag()
+        self._tag = tag = (self._tag + 1) % _MAX_TAG
         works = []
         for q, peer in enumerate(self._global_ranks):
             if q != self.rank:
@@ -251,12 +247,10 @@ class TorchComm(CommBase):
         if self.transport == "pairwise":
             s, n = output.numel(), self.world_size
             chunks = list(input.split(s))
-            peers = [q for q in range(n) if q != self.rank]
             received = input.new_empty((n - 1, s))  # each peer's chunk of this rank's shard
-            inbox = list(chunks)  # this rank's entry is not received
-            for row, q in enumerate(peers):
-                inbox[q] = received[row]
-            works = self._exchange(chunks, inbox)
+            rows = iter(received)
+            works = self._exchange(chunks, [chunk if q == self.rank else next(rows)
+                                            for q, chunk in enumerate(chunks)])
 
             def add() -> None:  # in rank order, as one rank adding all chunks would
                 if output.data_ptr() != chunks[self.rank].data_ptr():  # not in place
