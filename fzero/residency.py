@@ -59,6 +59,7 @@ from fzero.schedule import (
     RUNNING,
     BucketOrder,
     agreed,
+    carried,
     failed_ranks,
     header,
     merge,
@@ -175,12 +176,14 @@ class Residency:
         self.current: int | None = None
         self.failed: set[int] = set()
         self.aborted = False
+        self.carried: int | None = None  # kept gathered from the last phase into the next
 
     # -- phases --
 
     def begin(self, phase: str) -> None:
         """Start a ``"forward"`` or ``"backward"`` phase: gather along the agreed sequence,
-        issuing the first `prefetch` positions now."""
+        issuing the first `prefetch` positions now (the first one is already there when the
+        previous phase carried it: see `end_phase`)."""
         assert phase in ("forward", "backward"), phase
         self.phase = phase
         self.sequence = self.order.forward if phase == "forward" else self.order.backward
@@ -191,20 +194,37 @@ class Residency:
         self.current: int | None = None
         self.failed: set[int] = set()
         self.aborted = False
+        carried, self.carried = self.carried, None
+        if carried is not None:  # gathered by every rank, kept: position 0 is issued
+            assert self.sequence[:1] == (carried,), (self.sequence, carried)
+            self.issued = 1
+            self.fresh.add(carried)
         self._issue_until(self.prefetch - 1)
 
-    def end_phase(self, status: int = DONE) -> PhaseEnd:
+    def end_phase(self, status: int = DONE, *, keep: bool = False) -> PhaseEnd:
         """Finish the phase on this rank (`DONE`, `FAILED` or `ABORTED`): take part in the rest
         of the sequence and in rounds until every rank is done, agree on the sequence used
-        (it becomes the phase's sequence in `order`), and release everything."""
+        (it becomes the phase's sequence in `order`), and release everything.
+
+        With `keep` (a forward that backward follows), the bucket this rank used last stays
+        gathered when every rank holds the same one and backward's agreed sequence starts
+        with it: backward then uses it without gathering it again (`carried`, decided from
+        the last round's headers alike on every rank)."""
         self._leave_sequence()
+        held = None
+        if keep and status == DONE and self.phase == "forward" and self.current in self.resident:
+            held = self.current
         while True:
-            headers = self._round(status, None)
+            headers = self._round(status, None, held=held)
             if phase_over(headers):
                 break
         sequence = tuple(self.used) if agreed(headers) else self._merge_sequences()
         result = PhaseEnd(sequence, tuple(sorted(self.failed)), self.aborted)
-        self.release_all()
+        carry = None if self.aborted else carried(headers, self.order.backward)
+        self.release_all(but=carry)
+        if carry is not None:
+            self._wait(carry)  # a gather of the rest of the sequence may have rewritten it
+        self.carried = carry
         self.active = [0] * len(self.active)
         self.pinned = [0] * len(self.pinned)
         self.stack.clear()
@@ -275,10 +295,11 @@ class Residency:
             self.allocated.discard(index)
             self.live_bytes -= self.nbytes[index]
 
-    def release_all(self) -> None:
-        """Free every gathered or in-flight bucket."""
+    def release_all(self, *, but: int | None = None) -> None:
+        """Free every gathered or in-flight bucket (`but` one)."""
         for index in sorted(self.allocated | set(self.inflight)):
-            self.release(index)
+            if index != but:
+                self.release(index)
 
     def _ahead(self) -> set[int]:
         """Buckets of positions issued ahead of the latest use (prefetched)."""
@@ -304,10 +325,11 @@ class Residency:
             self._pass(len(self.sequence))
             self.rounds = True
 
-    def _round(self, status: int, need: int | None) -> list[list[int]]:
+    def _round(self, status: int, need: int | None, *, held: int | None = None
+               ) -> list[list[int]]:
         """One round on the control channel; every rank then gathers the served buckets."""
         n = self.control.world_size
-        mine = torch.tensor(header(status, need, self.used), dtype=torch.int64)
+        mine = torch.tensor(header(status, need, self.used, held), dtype=torch.int64)
         every = torch.empty(n * HEADER_WIDTH, dtype=torch.int64)
         self.control.all_gather(every, mine, label=f"of a {self.phase} gather round")
         headers = every.view(n, HEADER_WIDTH).tolist()

@@ -21,6 +21,10 @@ depend on what one rank's computation happened to do:
   gather the same buckets, `serve(headers)`, in the same order. Ranks join rounds when they
   leave the sequence or finish the phase, and keep joining (status `DONE`) until
   `phase_over`. A regular step therefore costs one round per phase.
+- The last round of a forward also carries the bucket each rank still holds from its last use.
+  When every rank holds the same one and the backward's sequence starts with it, `carried`,
+  that position is not gathered again: every rank already has it (as FSDP2 keeps its root
+  module's parameters from forward into backward).
 - The sequence a rank used (its needs, in order) is the next phase's sequence; the last round
   carries each rank's fingerprint of it, and when ranks used different sequences every rank
   adopts the same `merge` of all of them.
@@ -42,6 +46,7 @@ __all__ = [
     "RUNNING",
     "BucketOrder",
     "agreed",
+    "carried",
     "failed_ranks",
     "fingerprint",
     "header",
@@ -56,8 +61,9 @@ RUNNING, DONE, FAILED, ABORTED = 0, 1, 2, 3
 """A rank's status in a gather round: still computing the phase, finished it, failed (its own
 computation raised), or stopped because another rank failed."""
 
-HEADER_WIDTH = 4
-"""Elements of one rank's round header: status, need, and a 60-bit fingerprint in two halves."""
+HEADER_WIDTH = 5
+"""Elements of one rank's round header: status, need, a 60-bit fingerprint in two halves, and
+the bucket the rank holds for the next phase."""
 
 _HALF = 2**30
 
@@ -76,18 +82,23 @@ def fingerprint(sequence: Sequence[int]) -> int:
     return int.from_bytes(digest, "little") % _HALF**2
 
 
-def header(status: int, need: int | None, used: Sequence[int]) -> list[int]:
-    """One rank's round header: ``[status, need or -1, fingerprint(used) in two halves]``.
+def header(
+    status: int, need: int | None, used: Sequence[int], held: int | None = None
+) -> list[int]:
+    """One rank's round header: ``[status, need or -1, fingerprint(used) in two halves,
+    held or -1]``, where `held` is a bucket this rank keeps gathered into the next phase.
 
     Raises:
         ValueError: an unknown status or a negative bucket index.
     """
     if status not in (RUNNING, DONE, FAILED, ABORTED):
         raise ValueError(f"unknown round status {status!r}")
-    if need is not None and need < 0:
-        raise ValueError(f"bucket indices are >= 0, got {need=}")
+    for name, index in (("need", need), ("held", held)):
+        if index is not None and index < 0:
+            raise ValueError(f"bucket indices are >= 0, got {name}={index}")
     value = fingerprint(used)
-    return [status, -1 if need is None else need, value // _HALF, value % _HALF]
+    return [status, -1 if need is None else need, value // _HALF, value % _HALF,
+            -1 if held is None else held]
 
 
 def serve(headers: Sequence[Sequence[int]]) -> list[int]:
@@ -113,6 +124,16 @@ def failed_ranks(headers: Sequence[Sequence[int]]) -> list[int]:
 def agreed(headers: Sequence[Sequence[int]]) -> bool:
     """Whether every rank used the same sequence in the phase (equal fingerprints)."""
     return len({(row[2], row[3]) for row in headers}) == 1
+
+
+def carried(headers: Sequence[Sequence[int]], following: Sequence[int]) -> int | None:
+    """The bucket the next phase need not gather at its first position: the one every rank
+    holds (the same on every row), if the `following` sequence starts with it; else None."""
+    held = {row[4] for row in headers}
+    if len(held) != 1:
+        return None
+    (index,) = held
+    return index if index >= 0 and tuple(following[:1]) == (index,) else None
 
 
 def next_position(sequence: Sequence[int], bucket: int, start: int) -> int | None:

@@ -16,8 +16,8 @@ to gradients and parameters depends on the stage (docs/design.md's table):
 - 2: as 1, but each bucket's gradient is reduce-scattered as soon as backward completes it (per
   micro-batch, accumulating into the rank's gradient shard) and the full gradient freed.
 - 3: parameters exist only as shards; each bucket is all-gathered just before its module's
-  forward and released after, gathered again in backward when autograd needs it, its gradient
-  reduce-scattered when complete (`fzero.residency`).
+  forward and released after, gathered again in backward when autograd needs it (but the one
+  forward ended with, kept), its gradient reduce-scattered when complete (`fzero.residency`).
 
 A step runs in named phases, each a small function below: check the state and the module,
 split the batch, agree on the step (`fzero.consensus`), run the micro-batches, exchange the
@@ -607,8 +607,8 @@ class _ShardedSession:
         except RuntimeError as error:
             raise self.residency.explain(error, model) from error
 
-    def _end_phase(self, status: int) -> None:
-        end = self.residency.end_phase(status)
+    def _end_phase(self, status: int, *, keep: bool = False) -> None:
+        end = self.residency.end_phase(status, keep=keep)
         self.aborted = self.aborted or end.aborted
         self.phase = None
 
@@ -617,7 +617,7 @@ class _ShardedSession:
         loss = self._forward(loss_fn, model, micro)
         _check_loss(loss, self.state)
         touched = set(self.residency.used)
-        self._end_phase(DONE)
+        self._end_phase(DONE, keep=True)  # backward starts with what forward ended with
         if self.aborted:  # another rank failed in this forward: no rank runs backward
             return None
         self.phase = "backward"

@@ -95,7 +95,8 @@ def test_checkpointed_gpt_on_gloo(gloo_pool: Any, mode: str, world: int) -> None
 def test_stage3_recomputation_keeps_the_gathered_bound(mode: str, world: int) -> None:
     """Four blocks, 200-element buckets (many per block): recomputation gathers one block's
     buckets again and holds them until their gradients are complete, never the whole model;
-    it adds no second full gather (comm_bytes counts what it gathers)."""
+    it adds no second full gather (comm_bytes counts what it gathers). Backward gathers every
+    bucket again but the one forward ended with (kept, from the second step on)."""
     n_layer, prefetch = 4, 1
     model = gb.CheckpointedGPT(mode=mode, n_layer=n_layer).double()
     kwargs = {"stage": 3, "buckets": 200}
@@ -116,7 +117,7 @@ def test_stage3_recomputation_keeps_the_gathered_bound(mode: str, world: int) ->
         assert m["gathered_bytes_peak"] <= block + sum(sizes[: prefetch + 1])
         assert m["gathered_bytes_peak"] < total / 2
         gathered = m["comm_bytes_by_kind"]["all_gather"]
-        assert 2 * psi <= gathered <= 2 * psi + 2 * largest
+        assert 2 * psi - largest <= gathered <= 2 * psi + 2 * largest
         assert gathered >= plain["metrics"][0]["comm_bytes_by_kind"]["all_gather"] - largest
 
 

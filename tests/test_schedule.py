@@ -19,6 +19,7 @@ from fzero.schedule import (
     HEADER_WIDTH,
     RUNNING,
     agreed,
+    carried,
     failed_ranks,
     fingerprint,
     header,
@@ -114,13 +115,14 @@ def test_round_summaries(rows: list[tuple[int, int]]) -> None:
 
 
 @given(st.sampled_from([RUNNING, DONE, FAILED, ABORTED]), st.none() | buckets, sequences,
-       sequences)
+       sequences, st.none() | buckets)
 def test_header_carries_the_fingerprint(status: int, need: int | None, used: list[int],
-                                        other: list[int]) -> None:
-    row = header(status, need, used)
+                                        other: list[int], held: int | None) -> None:
+    row = header(status, need, used, held)
     assert len(row) == HEADER_WIDTH and row[:2] == [status, -1 if need is None else need]
     assert row[2] * 2**30 + row[3] == fingerprint(used) < 2**60
-    assert all(0 <= x < 2**31 for x in row[2:])  # fits the int64 exchange with room
+    assert all(0 <= x < 2**31 for x in row[2:4])  # fits the int64 exchange with room
+    assert row[4] == (-1 if held is None else held)
     assert agreed([row, header(DONE, None, used)])
     assert agreed([row, header(DONE, None, other)]) == (fingerprint(used) == fingerprint(other))
     if tuple(used) == tuple(other):
@@ -132,6 +134,28 @@ def test_header_validates() -> None:
         header(7, None, [])
     with pytest.raises(ValueError, match="need=-2"):
         header(RUNNING, -2, [])
+    with pytest.raises(ValueError, match="held=-1"):
+        header(DONE, None, [], -1)
+
+
+@given(st.lists(st.none() | buckets, min_size=1, max_size=4), sequences)
+def test_carried_is_what_every_rank_holds_and_the_next_phase_starts_with(
+        held: list[int | None], following: list[int]) -> None:
+    rows = [header(DONE, None, [], h) for h in held]
+    carry = carried(rows, following)
+    if carry is None:  # someone holds nothing, ranks differ, or the next phase starts elsewhere
+        assert None in held or len(set(held)) > 1 or following[:1] != [held[0]]
+    else:
+        assert set(held) == {carry} and following[0] == carry
+
+
+def test_carried_examples() -> None:
+    done = [header(DONE, None, [0, 1], 1), header(DONE, None, [0, 1], 1)]
+    assert carried(done, (1, 0)) == 1
+    assert carried(done, (0, 1)) is None  # backward starts elsewhere
+    assert carried(done, ()) is None  # no sequence yet (the first step)
+    assert carried([done[0], header(DONE, None, [0, 1])], (1, 0)) is None  # rank 1 holds none
+    assert carried([done[0], header(DONE, None, [0, 1], 0)], (1, 0)) is None
 
 
 @given(st.sets(buckets, max_size=7).map(sorted), sequences)

@@ -403,9 +403,12 @@ def test_state_bytes_metric_is_table_plus_padding(name: str, dtype: torch.dtype 
 
 
 def expected_comm(
-    layout: ShardLayout, stage: int, accum: int, itemsize: int
+    layout: ShardLayout, stage: int, accum: int, itemsize: int, *, carried: int = 0
 ) -> dict[str, int]:
-    """Ring bytes per step by kind: docs/design.md's comm column on the padded bucket sizes."""
+    """Ring bytes per step by kind: docs/design.md's comm column on the padded bucket sizes.
+
+    Stage 3: `carried` backward phases start with the bucket their forward ended with, still
+    gathered on every rank (here always the last bucket), and do not gather it again."""
     n = layout.world_size
     each = sum(ring_bytes("all_gather", b.padded_numel, itemsize, n)
                for b in layout.buckets if b.trainable)
@@ -419,13 +422,17 @@ def expected_comm(
     elif stage == 2:
         out["reduce_scatter"], out["all_gather"] = accum * each, each
     else:
-        out["reduce_scatter"], out["all_gather"] = accum * each, 2 * accum * each
+        kept = ring_bytes("all_gather", layout.buckets[-1].padded_numel, itemsize, n)
+        out["reduce_scatter"] = accum * each
+        out["all_gather"] = 2 * accum * each - carried * kept
     return out
 
 
 @pytest.mark.parametrize("accum", [1, 3])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_comm_bytes_per_step_follow_the_table(dtype: torch.dtype | None, accum: int) -> None:
+    """The first step (MLP: one bucket). At stage 3 its first backward has no agreed sequence
+    yet and gathers again; each later one starts with the bucket still gathered."""
     itemsize = (dtype or torch.float32).itemsize
     for stage in STAGES:
         for world in WORLD_SIZES:
@@ -433,15 +440,42 @@ def test_comm_bytes_per_step_follow_the_table(dtype: torch.dtype | None, accum: 
             metrics = run(world, sb.step_once_body, MLP(), batch, stage=stage, accum=accum,
                           param_dtype=dtype)
             layout = metrics[0]["layout"]
-            want = expected_comm(layout, stage, accum, itemsize)
+            assert len(layout.buckets) == 1
+            carried = accum - 1 if stage == 3 else 0
+            want = expected_comm(layout, stage, accum, itemsize, carried=carried)
             for m in metrics:
                 assert m["comm_bytes_by_kind"] == want, (stage, world)
                 assert m["comm_bytes"] == sum(want.values())
             psi = sum(b.padded_numel for b in layout.buckets)
-            factor = {0: 2, 1: 2, 2: accum + 1, 3: 3 * accum}[stage]
+            factor = {0: 2, 1: 2, 2: accum + 1, 3: 3 * accum - carried}[stage]
             moved = metrics[0]["comm_bytes"]
             assert moved == factor * psi * itemsize * (world - 1) // world
             assert (metrics[0]["control_bytes"] > 0) == (world > 1)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage3_backward_keeps_the_bucket_forward_ended_with(world: int, accum: int) -> None:
+    """Six one-Linear buckets: from the second step on (an agreed backward sequence), each
+    backward starts with the last layer's bucket, which forward left gathered on every rank:
+    it is not gathered again, and the parameters end as stage 0's. (Backward never gathers the
+    first layer's bucket: its input needs no gradient, so its weight is not needed.)"""
+    steps = 3
+    out = run(world, sb.train_body, sb.Deep(), global_batches("Deep"), steps, stage=3,
+              accum=accum)[0]
+    plain = run(world, sb.train_body, sb.Deep(), global_batches("Deep"), steps, stage=0,
+                accum=accum)[0]
+    torch.testing.assert_close(out["params"], plain["params"], rtol=1e-6, atol=1e-7)
+    layout = out["layout"]
+    assert [b.names[0] for b in layout.buckets] == [f"layers.{i}.weight" for i in range(6)]
+    ring = [ring_bytes("all_gather", b.padded_numel, 4, world) for b in layout.buckets]
+    forward, backward = sum(ring), sum(ring[1:])
+    first, *later = out["metrics"]
+    assert first["comm_bytes_by_kind"]["all_gather"] == (
+        accum * (forward + backward) - (accum - 1) * ring[-1])
+    for m in later:
+        assert m["comm_bytes_by_kind"]["all_gather"] == accum * (forward + backward - ring[-1])
+        assert m["comm_bytes_by_kind"]["reduce_scatter"] == accum * sum(ring)
 
 
 def bucket_bytes(layout: ShardLayout) -> list[int]:
