@@ -210,7 +210,9 @@ def zero_theory(psi: int, world: int, stage: int, param_bytes: int, accum_steps:
     all-reduce twice that. Per step: stage 0 all-reduces the gradients once (2Ψ); stage 1
     reduce-scatters them once and all-gathers the updated parameters (Ψ + Ψ); stage 2
     reduce-scatters after every micro-batch (A·Ψ + Ψ); stage 3 gathers the parameters in
-    forward and again in backward and reduce-scatters, every micro-batch (3·A·Ψ).
+    forward and again in backward and reduce-scatters, every micro-batch (3·A·Ψ). fzero's
+    stage 3 sends less: backward does not gather again the bucket forward ended with (the
+    whole model when it fits one bucket: 2·A·Ψ from the second step on).
     """
     p = g = param_bytes
     k = 8 if param_bytes == 4 else 12
