@@ -20,7 +20,8 @@ its own business (releasing needs no collective):
   gathers their bucket again, releasing nothing (one autograd node may unpack parameters of
   two buckets). Between nodes, when a bucket's gradient is complete (`on_grads_complete`),
   every bucket except the one backward works on, the positions ahead and pinned ones is
-  released.
+  released. The bucket forward ended with is not released when backward starts with it and
+  every rank holds it (`end_phase(keep=True)`): backward uses it without gathering it again.
 - Recomputation (activation checkpointing) runs module forwards during backward: their
   pre-hooks gather and *pin* the buckets, because non-reentrant checkpointing keeps the
   recomputed tensors without packing them. A pin ends when the bucket's gradient is complete,
@@ -210,17 +211,16 @@ class Residency:
         gathered when every rank holds the same one and backward's agreed sequence starts
         with it: backward then uses it without gathering it again (`carried`, decided from
         the last round's headers alike on every rank)."""
+        assert not keep or self.phase == "forward", self.phase
         self._leave_sequence()
-        held = None
-        if keep and status == DONE and self.phase == "forward" and self.current in self.resident:
-            held = self.current
+        held = self.current if keep and status == DONE and self.current in self.resident else None
         while True:
             headers = self._round(status, None, held=held)
             if phase_over(headers):
                 break
         sequence = tuple(self.used) if agreed(headers) else self._merge_sequences()
         result = PhaseEnd(sequence, tuple(sorted(self.failed)), self.aborted)
-        carry = None if self.aborted else carried(headers, self.order.backward)
+        carry = carried(headers, self.order.backward) if keep and not self.aborted else None
         self.release_all(but=carry)
         if carry is not None:
             self._wait(carry)  # a gather of the rest of the sequence may have rewritten it
