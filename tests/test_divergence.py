@@ -108,6 +108,48 @@ def test_stage3_reuse_and_reorder_with_fine_buckets(kind: str, short_patience: N
     gb.assert_parity(out[0], expected(kind, 3))
 
 
+class Headless(gb.Routed):
+    """`Routed` without its head: forward ends in the last block of the rank's route, so ranks
+    on different routes end their forward in different buckets."""
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))  # (B, width)
+        for index in route[0].tolist():
+            if index >= 0:
+                h = torch.tanh(self.blocks[index](h))
+        return h[:, :3]  # (B, 3); `out` is never used
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("kind", ["skip", "order"])
+def test_stage3_keeps_a_bucket_for_backward_only_when_every_rank_holds_it(
+        kind: str, world: int, short_patience: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 3 keeps the bucket forward ended with for backward only if every rank ended in it
+    and backward's agreed sequence starts with it. "skip": ranks end in different blocks at
+    some steps and in the same one at others, so both decisions are taken; "order": at every
+    step the ranks end in different blocks or the merged backward sequence starts elsewhere, so
+    nothing is kept. Training is exact either way."""
+    import fzero.residency
+
+    decisions: list[int | None] = []
+
+    def recorded(headers: Any, following: Any) -> int | None:
+        decisions.append(carry := gb_carried(headers, following))
+        return carry
+
+    gb_carried = fzero.residency.carried
+    monkeypatch.setattr(fzero.residency, "carried", recorded)
+    data = batches(kind, world)
+    out = fzero.SimWorld(world).run(gb.train, Headless().double(), gb.routed_loss, data,
+                                    stage=3)
+    want = gb.reference(Headless().double(), gb.routed_loss, data, world=world)
+    gb.assert_parity(out[0], want)
+    for other in out[1:]:
+        assert other["losses"] == out[0]["losses"]
+    kept = [d for d in decisions if d is not None]
+    assert None in decisions and (kept if kind == "skip" else not kept), decisions
+
+
 def test_reference_tells_paths_apart() -> None:
     """The per-rank paths matter: the same batches with every rank on the full route train
     differently, and so does one global batch with rank 0's route for everyone."""
