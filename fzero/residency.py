@@ -476,8 +476,10 @@ class Residency:
         return _Guard(self, model)
 
     def read(self, index: int) -> None:
-        """A torch function is about to read a parameter of bucket `index` outside the hooks."""
-        if index not in self.resident or index in self.inflight:
+        """A torch function is about to read a parameter of bucket `index` outside the hooks
+        (a use like any other: of a bucket not gathered yet, in flight, or kept for this phase's
+        first position and not used since)."""
+        if index not in self.resident or index in self.inflight or index in self.fresh:
             self.need(index, evict=False, pin=self.phase == "backward")
 
     def explain(self, error: RuntimeError, model: nn.Module) -> RuntimeError:

@@ -113,3 +113,50 @@ def test_a_view_kept_across_modules_names_the_reader() -> None:
         error = out["errors"][0]
         assert error["type"] == "OutsideOwnerError" and error["unchanged"], error
         assert "'child.weight'" in error["message"]
+
+
+class BiasReadInBackward(nn.Module):
+    """Two Linear layers; the loss adds nothing but makes backward read the head's bias first,
+    through a gradient hook: a read the guard sees, not a saved tensor (a Linear's backward does
+    not save its bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with gb.seeded(0):
+            self.a = nn.Linear(4, 8)
+            self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.a(x)))  # (B, 4) -> (B, 3)
+
+
+def bias_read_body(comm: fzero.Comm, steps: int) -> list[tuple[int, int]]:
+    model = BiasReadInBackward()
+    state = fzero.init(model, stage=3, optimizer=fzero.optim.sgd(lr=0.1), comm=comm, buckets=20)
+    assert [b.names for b in state.layout.buckets][-1] == ("head.bias",)
+
+    def loss_fn(call: Any, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        out = call(x)
+        out.register_hook(lambda grad: grad + 0 * model.head.bias.sum())
+        return torch.nn.functional.mse_loss(out, y)
+
+    step = fzero.make_train_step(model, loss_fn)
+    generator = torch.Generator().manual_seed(0)
+    sent = []
+    for _ in range(steps):
+        batch = (torch.randn(4, 4, generator=generator), torch.randn(4, 3, generator=generator))
+        state, metrics = step(state, batch)
+        sent.append((metrics["comm_bytes_by_kind"]["all_gather"], metrics["control_bytes"]))
+    return sent
+
+
+def test_a_kept_bucket_read_first_by_the_guard_counts_as_its_use() -> None:
+    """Forward ends with the head's bias bucket and backward's first use of it is a read the
+    guard sees: that read consumes the kept bucket like any use, so every step after the first
+    sends the same (the bias kept, no extra round). Counted only on unpacks, the read went
+    unrecorded, and every other step lost the sequence and asked for the bias in a round."""
+    sent = fzero.SimWorld(2).run(bias_read_body, 6)[0]
+    first, *later = sent
+    assert len(set(later)) == 1, sent
+    assert later[0][0] < first[0]  # the bias is not gathered again in backward
