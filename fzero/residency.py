@@ -325,8 +325,9 @@ class Residency:
             self._pass(len(self.sequence))
             self.rounds = True
 
-    def _round(self, status: int, need: int | None, *, held: int | None = None
-               ) -> list[list[int]]:
+    def _round(
+        self, status: int, need: int | None, *, held: int | None = None
+    ) -> list[list[int]]:
         """One round on the control channel; every rank then gathers the served buckets."""
         n = self.control.world_size
         mine = torch.tensor(header(status, need, self.used, held), dtype=torch.int64)
