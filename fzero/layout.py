@@ -505,18 +505,20 @@ def _merge_small(
         tied = any(aliases[n] for n in names)
         return next(iter(kinds)) if len(kinds) == 1 and not tied else None
 
-    # first label, last label, names, size, kind (None: never merged)
-    merged: list[tuple[str, str, list[str], int, tuple[bool, torch.dtype] | None]] = []
+    # labels, names, size, kind (None: never merged)
+    merged: list[tuple[list[str], list[str], int, tuple[bool, torch.dtype] | None]] = []
     for label, names in groups:
         size, this = sum(tensors[n].numel() for n in names), kind(names)
-        if merged and this is not None and merged[-1][4] == this and (
-                merged[-1][3] < floor or size < floor):
-            first, _, before, filled, _ = merged[-1]
-            merged[-1] = (first, label, before + names, filled + size, this)
+        if merged and this is not None and merged[-1][3] == this and (
+                merged[-1][2] < floor or size < floor):
+            labels, before, filled, _ = merged[-1]
+            merged[-1] = ([*labels, label], before + names, filled + size, this)
         else:
-            merged.append((label, label, list(names), size, this))
-    return [(first if first == last else f"{first}..{last}", names)
-            for first, last, names, _, _ in merged]
+            merged.append(([label], list(names), size, this))
+    # A merged group says where it starts and ends, even when both ends share a label ("h.0"
+    # twice, around another group, is "h.0..h.0": it holds more than h.0).
+    return [(labels[0] if len(labels) == 1 else f"{labels[0]}..{labels[-1]}", names)
+            for labels, names, _, _ in merged]
 
 
 def _list_element_prefix(name: str) -> str | None:

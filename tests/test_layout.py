@@ -157,6 +157,17 @@ def test_default_policy_merges_small_blocks_up_to_the_floor():
     assert fzero.plan(net, 3, buckets=Block, floor=10**9) == fzero.plan(net, 3, buckets=Block)
 
 
+def test_a_merged_bucket_names_both_ends_even_when_they_share_a_label():
+    """Shrunk from the property below: groups "h.0", "b", "h.0" merged into one bucket were
+    labelled "h.0", as if the bucket held only h.0."""
+    params = {name: torch.zeros((), dtype=torch.int64) for name in ("h.0.x", "b", "h.0.y")}
+    frozen = lambda name: False  # noqa: E731
+    assert [b.label for b in fzero.plan(params, 2, floor=1, trainable=frozen).buckets] == [
+        "h.0", "b", "h.0"]
+    assert [b.label for b in fzero.plan(params, 2, floor=2, trainable=frozen).buckets] == [
+        "h.0..h.0"]
+
+
 @given(worlds_and_trees(), st.integers(1, 300))
 def test_the_floor_merges_consecutive_groups_of_one_kind(case, floor):
     world, spec = case
