@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 import fzero
 from fzero.collect import collectives
 from fzero.comm import ring_bytes
+from fzero.torchcomm import TRANSPORTS
 
 D_MODEL, VOCAB = 1024, 8192
 
@@ -118,7 +119,7 @@ def worker(rank: int, world_size: int, init_file: str, args: argparse.Namespace)
 def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     n = world_size
     layout = plan_layout(args.mib, n, args.buckets)
-    comm = fzero.TorchComm()
+    comm = fzero.TorchComm(transport=args.transport)
     gather, scatter_grads, _ = collectives(layout, comm)
     gen = torch.Generator().manual_seed(rank)
     shards = [torch.randn(b.shard_numel, generator=gen) for b in layout.buckets]
@@ -162,8 +163,8 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
         print(
             f"gloo, {n} ranks, {numel * 4 / 2**20:,.1f} MiB float32 ({numel:,} parameters) in "
             f"{len(layout.buckets)} buckets, padded {padded:,}; torch {torch.__version__}, "
-            f"{args.threads} thread(s) per rank; median of {args.repeats} after "
-            f"{args.warmup} warm-up\n"
+            f"transport {comm.transport}, {args.threads} thread(s) per rank; median of "
+            f"{args.repeats} after {args.warmup} warm-up\n"
         )
         print("| operation | sent per rank | median ms (min–max) | GB/s | vs raw |")
         print("|---|---:|---:|---:|---:|")
@@ -177,6 +178,8 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, default=12, help="about this many buckets")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--transport", choices=TRANSPORTS, default=None,
+                    help="TorchComm's transport (default: gloo's, shm where it works)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
     args = ap.parse_args()

@@ -17,11 +17,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero.comm import CommBase, Work
+from fzero.shm import MIN_CHUNK_BYTES, MIN_FREE_BYTES, SharedSlots, open_shared_slots
 
 __all__ = ["NO_GROUP_HELP", "TRANSPORTS", "TorchComm"]
 
-TRANSPORTS: tuple[str, ...] = ("single", "pairwise")
+TRANSPORTS: tuple[str, ...] = ("single", "pairwise", "shm")
 """How `TorchComm` implements all-gather and reduce-scatter (see its docstring)."""
+
+NO_SHARED_MEMORY_HELP = (
+    "TorchComm(transport='shm') needs every rank of the group on one host, sharing a /dev/shm "
+    "with at least {free} bytes free; some rank could not open another's files there. Use "
+    "transport='pairwise' (or leave transport=None, which falls back to it)."
+)
 
 NO_GROUP_HELP = (
     "TorchComm needs an initialized torch.distributed process group: call "
@@ -95,19 +102,27 @@ def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
 class TorchComm(CommBase):
     """`Comm` over a `torch.distributed` process group (gloo on CPU, NCCL on CUDA).
 
-    All-gather and reduce-scatter have two transports:
+    All-gather and reduce-scatter have three transports:
 
     - ``"single"`` (NCCL's default): the single-tensor collectives (`all_gather_single` /
       `reduce_scatter_single`, or their pre-2.13 names), no per-rank tensor lists.
-    - ``"pairwise"`` (gloo's default): every rank sends each other rank the chunk that rank
-      needs and receives its own directly (`isend` / `irecv`, one tag per collective, counted
-      alike on every rank, so collectives in flight together never take each other's
-      messages): one round of messages, (N-1)/N of the data each way, as a ring. A
-      reduce-scatter receives the N-1 chunks into a scratch buffer and sums all N in rank
-      order (the same bits whichever rank sums); an all-gather receives straight into the
-      output. gloo's own single-tensor collectives, and one gloo reduce or broadcast per rank,
-      are 1.2-2x slower on the same bytes (see the README's performance notes). Both
-      transports work in place (`in_place`).
+    - ``"pairwise"``: every rank sends each other rank the chunk that rank needs and receives
+      its own directly (`isend` / `irecv`, one tag per collective, counted alike on every rank,
+      so collectives in flight together never take each other's messages): one round of
+      messages, (N-1)/N of the data each way, as a ring. A reduce-scatter receives the N-1
+      chunks into a scratch buffer and sums all N in rank order (the same bits whichever rank
+      sums); an all-gather receives straight into the output. gloo's own single-tensor
+      collectives, and one gloo reduce or broadcast per rank, are 1.2-2x slower on the same
+      bytes (see the README's performance notes).
+    - ``"shm"`` (gloo's default): as pairwise, but chunks of at least `shm_min_bytes` go
+      through shared memory (`fzero.shm`): each rank copies its data into a slot its peers
+      have mapped, and small tokens over gloo say where and when; a reduce-scatter sums
+      straight from the peers' slots, in the same order and to the same bits as pairwise. At
+      the first such collective the ranks test, together, that every rank can map every
+      other's files; if not (several hosts, or a small /dev/shm), a default comm switches to
+      pairwise for good (`transport` then says so) and an explicit ``"shm"`` raises.
+
+    Every transport works in place (`in_place`) except "single".
 
     "avg" uses `ReduceOp.AVG` (pairwise: the sum divided by N, which is what AVG computes); if
     the backend rejects it (gloo before torch 2.13 does, identically on every rank and before
@@ -117,7 +132,10 @@ class TorchComm(CommBase):
         group: The process group; None for the default group.
         timeout: If given, the CPU-side wait of every collective is bounded by it (on NCCL this
             makes `wait()` block the CPU). None: the group's own timeout applies.
-        transport: ``"single"`` or ``"pairwise"`` (see above); None picks by backend.
+        transport: ``"single"``, ``"pairwise"`` or ``"shm"`` (see above); None picks by
+            backend: "shm" where it works on gloo, "single" on NCCL.
+        shm_min_bytes: "shm": the smallest chunk (bytes each rank sends each peer) that goes
+            through shared memory; smaller ones go pairwise over TCP. Channels inherit it.
 
     Attributes:
         group: The process group (None: the default group).
@@ -125,7 +143,9 @@ class TorchComm(CommBase):
         device: Where this comm's tensors live: the current CUDA device for NCCL, else CPU.
 
     Raises:
-        ValueError: If no process group is initialized or this process is not in `group`.
+        ValueError: If no process group is initialized or this process is not in `group`;
+            at the first large collective, if ``transport="shm"`` was asked for and some rank
+            cannot map another's memory.
     """
 
     def __init__(
@@ -134,6 +154,7 @@ class TorchComm(CommBase):
         *,
         timeout: timedelta | float | None = None,
         transport: str | None = None,
+        shm_min_bytes: int = MIN_CHUNK_BYTES,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(NO_GROUP_HELP)
@@ -156,11 +177,19 @@ class TorchComm(CommBase):
         self.timeout = _as_timedelta(timeout)
         self._ops = _single_tensor_collectives()
         self._native_avg = True
-        if transport is None:
-            transport = "pairwise" if self.backend == "gloo" else "single"
-        if transport not in TRANSPORTS:
+        if transport is not None and transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "shm" and self.backend != "gloo":
+            raise ValueError(
+                f"transport='shm' moves CPU tensors: it needs gloo, not {self.backend}")
+        self._shm_required = transport == "shm"
+        if transport is None:
+            transport = "shm" if self.backend == "gloo" else "single"
+        if not isinstance(shm_min_bytes, int) or shm_min_bytes < 0:
+            raise ValueError(f"shm_min_bytes must be an int >= 0, got {shm_min_bytes!r}")
         self.transport = transport
+        self.shm_min_bytes = shm_min_bytes
+        self._slots: SharedSlots | None = None  # "shm": made at the first large collective
         # The pairwise transport copies the input into the output's chunk (a no-op when they
         # alias) and reduces into this rank's chunk in place; the single-tensor collectives are
         # not relied on for aliasing.
@@ -198,8 +227,12 @@ class TorchComm(CommBase):
             use_local_synchronization=self.group is not None,
             group_desc=f"fzero:{name}",
         )
-        transport = None if backend != self.backend else self.transport
-        return TorchComm(group, timeout=self.timeout, transport=transport)
+        if backend != self.backend or (self.transport == "shm" and not self._shm_required):
+            transport = None  # the backend's default, decided by the channel as by this comm
+        else:
+            transport = self.transport
+        return TorchComm(group, timeout=self.timeout, transport=transport,
+                         shm_min_bytes=self.shm_min_bytes)
 
     def _reduce(
         self, start: Callable[[Any, bool], Any], op: str, result: Tensor, async_op: bool
@@ -219,10 +252,31 @@ class TorchComm(CommBase):
         torch_op = _reduce_op(op)
         return self._issue(lambda a: start(torch_op, a), async_op)
 
+    def _next_tag(self, count: int = 1) -> int:
+        """The first of `count` consecutive tags for the next collective (alike on every
+        rank)."""
+        if self._tag + count >= _MAX_TAG:
+            self._tag = 0
+        tag, self._tag = self._tag + 1, self._tag + count
+        return tag
+
+    def _shared(self, chunk_bytes: int) -> SharedSlots | None:
+        """The shared-memory slots, when this collective's chunks should go through them."""
+        if self.transport != "shm" or chunk_bytes < self.shm_min_bytes or self.world_size == 1:
+            return None
+        if self._slots is None:
+            self._slots = open_shared_slots(
+                self.rank, self._global_ranks, self.group, self._next_tag(2), self.timeout)
+            if self._slots is None:
+                if self._shm_required:
+                    raise ValueError(NO_SHARED_MEMORY_HELP.format(free=f"{MIN_FREE_BYTES:,}"))
+                self.transport = "pairwise"
+        return self._slots
+
     def _exchange(self, sends: list[Tensor], recvs: list[Tensor]) -> list[Any]:
         """Pairwise: send ``sends[q]`` to and receive ``recvs[q]`` from every other rank q
         (lists indexed by group rank; this rank's entries are ignored)."""
-        self._tag = tag = (self._tag + 1) % _MAX_TAG
+        tag = self._next_tag()
         works = []
         for q, peer in enumerate(self._global_ranks):
             if q != self.rank:
@@ -231,11 +285,15 @@ class TorchComm(CommBase):
         return works
 
     def _all_gather(self, output: Tensor, input: Tensor, async_op: bool) -> Work | None:
-        if self.transport == "pairwise":
+        if self.transport != "single":
             s, n = input.numel(), self.world_size
             chunks = list(output.split(s))
             if chunks[self.rank].data_ptr() != input.data_ptr():  # not gathered in place
                 chunks[self.rank].copy_(input)
+            slots = self._shared(input.nbytes)
+            if slots is not None:
+                works, read = slots.all_gather(chunks, input, self._next_tag())
+                return self._issue(lambda a: works, async_op, then=read)
             works = self._exchange([input] * n, chunks)
             return self._issue(lambda a: works, async_op)
         fn = self._ops.all_gather
@@ -244,9 +302,19 @@ class TorchComm(CommBase):
     def _reduce_scatter(
         self, output: Tensor, input: Tensor, op: str, async_op: bool
     ) -> Work | None:
-        if self.transport == "pairwise":
+        if self.transport != "single":
             s, n = output.numel(), self.world_size
             chunks = list(input.split(s))
+            slots = self._shared(output.nbytes)
+            if slots is not None:
+                works, add = slots.reduce_scatter(output, chunks, self._next_tag())
+
+                def add_then_average() -> None:
+                    add()
+                    if op == "avg":
+                        output.div_(n)
+
+                return self._issue(lambda a: works, async_op, then=add_then_average)
             received = input.new_empty((n - 1, s))  # each peer's chunk of this rank's shard
             rows = iter(received)
             works = self._exchange(chunks, [chunk if q == self.rank else next(rows)

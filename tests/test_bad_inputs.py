@@ -710,7 +710,12 @@ def test_torch_comm_arguments_over_a_group(monkeypatch: pytest.MonkeyPatch) -> N
             fzero.TorchComm(timeout=-1)
         with pytest.raises(TypeError, match="timeout must be a timedelta, positive seconds"):
             fzero.TorchComm(timeout="5")
-        with pytest.raises(ValueError, match=r"transport must be one of \('single', 'pairwise'\)"):
+        with pytest.raises(
+            ValueError, match=r"transport must be one of \('single', 'pairwise', 'shm'\)"
+        ):
             fzero.TorchComm(transport="ring")
+        for bad in (-1, 1.5, None):
+            with pytest.raises(ValueError, match=f"shm_min_bytes must be an int >= 0, got {bad}"):
+                fzero.TorchComm(shm_min_bytes=bad)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="Group 3 is not registered"):
             fzero.TorchComm(group=3)
