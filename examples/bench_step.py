@@ -5,7 +5,9 @@
     torchrun --standalone --nproc-per-node 2 examples/bench_step.py --size small   # the same
 
 Rows: DDP + torch.optim.AdamW; DDP + ZeroRedundancyOptimizer(AdamW); FSDP2 (`fully_shard` per
-block, then the root); fzero stages 1, 2, 3; DeepSpeed ZeRO 1, 2, 3 (when `deepspeed` is
+block, then the root); fzero stages 1, 2, 3 (gloo's default pairwise transport), and again with
+``TorchComm(transport="shm")`` on CPU (`fzero.shm`: same-host shared memory); DeepSpeed ZeRO 1,
+2, 3 (when `deepspeed` is
 installed: ``pip install -e ".[bench]"``; on CPU it runs with ``DS_ACCELERATOR=cpu``, which this
 script sets). Every row trains the GPT of `train_gpt.py` with the same weights (`weight_init`,
 GPT-2's init drawn module by module from one seed) on the same token batches, in fp32, with
@@ -93,6 +95,7 @@ SEED = 0  # of the weights (`weight_init`)
 DECAY = fzero.decay_matrices  # every row: decay parameters with 2+ dims, not biases and norms
 TORCH_ROWS = ("ddp", "ddp_zero", "fsdp2")
 FZERO_ROWS = ("fzero_1", "fzero_2", "fzero_3")
+SHM_ROWS = ("fzero_1_shm", "fzero_2_shm", "fzero_3_shm")  # TorchComm(transport="shm"): gloo
 DEEPSPEED_ROWS = ("deepspeed_1", "deepspeed_2", "deepspeed_3")
 COMPUTE = "/compute"  # suffix of the rows that measure an fzero row's t_compute and t_comm
 LABELS = {
@@ -102,6 +105,9 @@ LABELS = {
     "fzero_1": "fzero stage 1",
     "fzero_2": "fzero stage 2",
     "fzero_3": "fzero stage 3",
+    "fzero_1_shm": "fzero stage 1, shm",
+    "fzero_2_shm": "fzero stage 2, shm",
+    "fzero_3_shm": "fzero stage 3, shm",
     "deepspeed_1": "DeepSpeed ZeRO-1",
     "deepspeed_2": "DeepSpeed ZeRO-2",
     "deepspeed_3": "DeepSpeed ZeRO-3",
@@ -406,7 +412,7 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
         step, state_bytes = build_fsdp2(model, device, world)
     elif row.startswith("fzero_"):
         stage = int(row[len("fzero_")])
-        comm = fzero.TorchComm()
+        comm = fzero.TorchComm(transport="shm" if row in SHM_ROWS else None)
         if row.endswith(COMPUTE):  # the same step, communication replaced by no-ops
             comm = nocomm = NoComm(rank, world)
         step, state_bytes = build_fzero(model, stage, comm, spec.get("buckets"))
@@ -594,7 +600,7 @@ def main() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the workers
 
     has_deepspeed = importlib.util.find_spec("deepspeed") is not None
-    rows = list(TORCH_ROWS) + list(FZERO_ROWS) + list(DEEPSPEED_ROWS)
+    rows = list(TORCH_ROWS) + list(FZERO_ROWS) + list(SHM_ROWS) + list(DEEPSPEED_ROWS)
     if args.rows:
         wanted = args.rows.split(",")
         unknown = sorted(set(wanted) - set(LABELS))
@@ -603,6 +609,8 @@ def main() -> None:
         rows = [r for r in rows if r in wanted]
     skipped = {} if has_deepspeed else {
         r: "deepspeed is not installed (pip install -e '.[bench]')" for r in DEEPSPEED_ROWS}
+    if torch.cuda.is_available():
+        skipped.update({r: "the shared-memory transport is gloo's (CPU)" for r in SHM_ROWS})
     runs = [r for r in rows if r not in skipped]
     if not args.no_overlap:
         runs += [r + COMPUTE for r in rows if r in FZERO_ROWS]

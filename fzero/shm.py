@@ -1,39 +1,42 @@
-"""Shared-memory slots: how `TorchComm` moves large chunks between gloo ranks on one host.
+"""Shared-memory slots: how `TorchComm(transport="shm")` moves large chunks between gloo ranks
+on one host.
 
 Over loopback TCP, every byte of an all-gather or a reduce-scatter is copied into the kernel by
 its sender and out of it by its receiver, with system calls and gloo's threads in between, on
-the same cores that compute. Ranks that share ``/dev/shm`` can map each other's memory instead:
-the sender copies its data into a *slot* (a file there that its peers map), a two-number
-message over gloo (a *token*: which slot, how large) tells each receiver where it is, each
-receiver reads it straight out (an all-gather copies its chunk into place, a reduce-scatter sums
-it in rank order), then writes a *done* record into the sender's pipe, which frees the slot.
-Per byte this takes about half the CPU time of the pairwise TCP exchange (the README's
-performance notes).
+the same cores that compute. Ranks on one host can map each other's memory instead: the sender
+copies its data into a *slot* (anonymous shared memory, `os.memfd_create`, that its peers map),
+a four-number message over gloo (a *token*: which slot, how large, how to open it) tells each
+receiver where it is, each receiver reads it straight out (an all-gather copies its chunk into
+place, a reduce-scatter sums it in rank order), then writes a *done* record into the sender's
+pipe, which frees the slot. Per byte this takes less CPU time than the pairwise TCP exchange,
+but a collective's data sits in a slot from its issue until every peer has read it, and both
+the writer and its readers map those pages (each counts them in its RSS): the README's tables
+give both sides.
 
 [Note: slots]
 A rank writes only into its own slots and reads only its peers'. A slot holds one collective's
 data from its issue until every peer has written its done record, `(reader rank, slot number)`,
-into the owner's pipe (a FIFO in /dev/shm); the owner drains the pipe without blocking whenever
-it needs a slot, and a rank with no free slot large enough opens another (collectives in flight
-together each hold their own), so issuing never waits on a peer. (gloo cannot say whether a
-receive has arrived without waiting for it; the pipe's system calls also order the reader's
-last read before the owner's next write, as a memory fence would.) A receiver maps a peer's
-slot the first time a token names it; the owner unlinks the file as soon as every peer has read
-from it once (the mappings stay valid). When the slots are dropped (their comm is collected, or
-the process exits) the owner first waits, at most the comm's timeout or `RELEASE_WAIT_S`, for
-its peers to map any slot a token has told them of (a peer can be a collective behind: the
-owner has nothing left to wait for), then unlinks what is left. Slot numbers and sizes travel
-in the tokens, so the ranks need not allocate alike. Slots are never shrunk: their bytes are
-those of the largest collectives that were in flight together.
+into the owner's pipe; the owner drains the pipe without blocking whenever it needs a slot, and
+a rank with no free slot large enough opens another (collectives in flight together each hold
+their own), so issuing never waits on a peer. (gloo cannot say whether a receive has arrived
+without waiting for it; the pipe's system calls also order the reader's last read before the
+owner's next write, as a memory fence would.) Slots and pipes have no names: a peer opens one
+through ``/proc/<owner pid>/fd/<fd>`` the first time a token names it, and checks its inode
+against the token's, so nothing is left behind whatever way a process ends, and a rank can only
+ever map what its peer meant. The owner keeps a slot's descriptor open until every peer has read
+from it once; when the slots are dropped (their comm is collected, or the process exits) it
+first waits, at most the comm's timeout or `RELEASE_WAIT_S`, for its peers to open any slot a
+token has told them of (a peer can be a collective behind: the owner has nothing left to wait
+for). Slot numbers and sizes travel in the tokens, so the ranks need not allocate alike. Slots
+are never shrunk: their bytes are those of the largest collectives that were in flight
+together.
 
 [Note: handshake]
-That every rank can open every other rank's files (one host and one ``/dev/shm``: not two
-containers that share a hostname) is tested, not assumed, by `open_shared_slots`: every rank
-creates its pipe under a random name, sends the name to every peer and opens theirs for
-writing; a second round of tokens tells every rank whether all of them succeeded, so every rank
-decides alike whether to use shared memory, and then each unlinks its pipe's name. A rank whose
-``/dev/shm`` has less than `MIN_FREE_BYTES` free says no (a container's default 64 MiB would end
-in ENOSPC mid-run).
+That every rank can open every other rank's memory (one host, one pid namespace that shows each
+other's ``/proc``, the same user) is tested, not assumed, by `open_shared_slots`: every rank
+makes its pipe and a probe slot holding random bytes, sends where they are to every peer, opens
+theirs and checks the bytes; a second round of tokens tells every rank whether all of them
+succeeded, so every rank decides alike (and `TorchComm` raises on every rank if not).
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from __future__ import annotations
 import os
 import secrets
 import select
-import shutil
 import struct
 import time
 import weakref
@@ -53,29 +55,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = [
-    "MIN_CHUNK_BYTES",
-    "MIN_FREE_BYTES",
-    "RELEASE_WAIT_S",
-    "SHM_DIR",
-    "SharedSlots",
-    "open_shared_slots",
-]
+__all__ = ["MIN_CHUNK_BYTES", "PROC_DIR", "RELEASE_WAIT_S", "SharedSlots", "open_shared_slots"]
 
-SHM_DIR = "/dev/shm"
-"""Where slots live: a tmpfs that every process of the host can map."""
-MIN_CHUNK_BYTES = 256 * 1024
-"""Chunks smaller than this go over TCP: one message there beats two tokens and two copies."""
-MIN_FREE_BYTES = 1 << 30
-"""Free space `open_shared_slots` requires of ``/dev/shm`` on every rank."""
+MIN_CHUNK_BYTES = 1 << 20
+"""Chunks smaller than this go over TCP: there one message costs about what two tokens and two
+copies cost (2 ranks, 2 cores: even at 256-512 KiB, shared memory 1.3-2x faster from 1 MiB)."""
 RELEASE_WAIT_S = 60.0
-"""How long slots that are dropped wait for peers still to map them (without a comm timeout)."""
+"""How long slots that are dropped wait for peers still to open them (without a comm timeout)."""
+PROC_DIR = "/proc"
+"""Where a rank finds its peers' descriptors (``<PROC_DIR>/<pid>/fd/<fd>``)."""
 _SLOT_GRANULE = 1 << 20  # slot sizes round up to this, so close sizes share slots
 _DONE = struct.Struct("<ii")  # a done record: (reader's rank, slot number); atomic in a pipe
+_PROBE_BYTES = 16
 
-_SHM_FULL_HELP = (
-    "fzero's shared-memory transport could not reserve {nbytes:,} bytes in {dir} ({error}): "
-    "give /dev/shm more room (docker: --shm-size) or use TorchComm(transport='pairwise')."
+_NO_MEMORY_HELP = (
+    "fzero's shared-memory transport could not reserve {nbytes:,} bytes ({error}): the host or "
+    "the container's memory limit is reached; use TorchComm(transport='pairwise')."
 )
 
 
@@ -124,74 +119,90 @@ class _Link:
         return theirs
 
 
-def _path(prefix: str, what: int | str) -> str:
-    return os.path.join(SHM_DIR, f"{prefix}-{what}")
+def _peer_path(pid: int, fd: int) -> str:
+    return os.path.join(PROC_DIR, str(pid), "fd", str(fd))
 
 
-def _prefix(pid: int, nonce: int) -> str:
-    return f"fzero-{pid}-{nonce:x}"
+def _open_checked(pid: int, fd: int, inode: int, flags: int) -> int:
+    """Open another process's descriptor through /proc; raise OSError unless it is the file
+    `inode` names (another pid namespace can show an unrelated process under that pid)."""
+    mine = os.open(_peer_path(pid, fd), flags)
+    if os.fstat(mine).st_ino != inode:
+        os.close(mine)
+        raise OSError(f"{_peer_path(pid, fd)} is not the file its owner named")
+    return mine
+
+
+def _map(fd: int, nbytes: int) -> Tensor:
+    """`nbytes` of the shared memory behind descriptor `fd`, as a uint8 tensor (MAP_SHARED)."""
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _new_memory(nbytes: int) -> int:
+    """A descriptor of `nbytes` of fresh anonymous shared memory, reserved up front."""
+    fd = os.memfd_create("fzero-slot", os.MFD_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # ENOSPC / ENOMEM here, not SIGBUS at the first write
+    except OSError as exc:
+        os.close(fd)
+        raise RuntimeError(_NO_MEMORY_HELP.format(nbytes=nbytes, error=exc)) from exc
+    return fd
 
 
 class _Slot:
-    """One of this rank's slots: a mapped file, and the peers that have yet to read it."""
+    """One of this rank's slots: its memory, and the peers that have yet to read it."""
 
-    __slots__ = ("number", "data", "unread")
+    __slots__ = ("number", "data", "fd", "unread")
 
-    def __init__(self, number: int, data: Tensor) -> None:
+    def __init__(self, number: int, data: Tensor, fd: int) -> None:
         self.number = number
-        self.data = data  # uint8, the whole file
+        self.data = data  # uint8, the whole slot
+        self.fd = fd  # open until every peer has read the slot once (then -1)
         self.unread: set[int] = set()  # peers that have not yet read the current collective
 
 
 class _Own:
-    """What this rank owns: its slots, the names still linked, its pipe and its peers' pipes.
+    """What this rank owns: its slots, its pipe and its ends of its peers' pipes.
 
     Holds no reference to the `SharedSlots` using it, so it can release them when that goes.
     """
 
-    def __init__(self, prefix: str, pipe: int, writers: dict[int, int]) -> None:
-        self.prefix = prefix
+    def __init__(self, pipe: int, writers: dict[int, int]) -> None:
         self.pipe = pipe  # the read end of this rank's pipe (non-blocking)
         self.writers = writers  # peer -> the write end of its pipe
         self.slots: list[_Slot] = []
-        self.linked: set[str] = set()  # names of this rank's slots not yet unlinked
-
-    def unlink(self, path: str) -> None:
-        self.linked.discard(path)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
     def drain(self) -> None:
-        """Take every done record in this rank's pipe (never blocks); unlink the name of a slot
-        every peer has now mapped."""
+        """Take every done record in this rank's pipe (never blocks); close the descriptor of a
+        slot every peer has now opened."""
         while True:
             try:
                 records = os.read(self.pipe, 64 * _DONE.size)
             except BlockingIOError:
                 return
+            if not records:  # every peer's end is closed (their comms are gone)
+                return
             assert len(records) % _DONE.size == 0, "done records are written whole"
             for q, number in _DONE.iter_unpack(records):
                 slot = self.slots[number]
                 slot.unread.discard(q)
-                path = _path(self.prefix, number)
-                if not slot.unread and path in self.linked:
-                    self.unlink(path)
+                if not slot.unread and slot.fd >= 0:
+                    os.close(slot.fd)
+                    slot.fd = -1
 
     def release(self, wait_s: float) -> None:
-        """Unlink every name and close the pipes, once every peer has mapped the slots it was
-        told of (waiting at most `wait_s`: a peer still reading may need the name to map it)."""
+        """Close every descriptor, once every peer has opened the slots it was told of
+        (waiting at most `wait_s`: a peer still to read needs the descriptor to open it)."""
         deadline = time.monotonic() + wait_s
-        while (any(slot.unread and _path(self.prefix, slot.number) in self.linked
-                   for slot in self.slots)
+        while (any(slot.unread and slot.fd >= 0 for slot in self.slots)
                and (left := deadline - time.monotonic()) > 0):
             select.select([self.pipe], [], [], left)
             self.drain()
-        for path in list(self.linked):
-            self.unlink(path)
-        for fd in (self.pipe, *self.writers.values()):
-            os.close(fd)
+        for fd in (*(slot.fd for slot in self.slots), self.pipe, *self.writers.values()):
+            if fd >= 0:
+                os.close(fd)
+        for slot in self.slots:
+            slot.fd = -1
         self.writers.clear()
 
 
@@ -205,9 +216,9 @@ class SharedSlots:
     collectives.
     """
 
-    def __init__(self, link: _Link, prefixes: dict[int, str], own: _Own) -> None:
+    def __init__(self, link: _Link, pids: dict[int, int], own: _Own) -> None:
         self._link = link
-        self._prefixes = prefixes  # group rank -> the prefix of its files
+        self._pids = pids  # peer -> its process id
         self._own = own
         self._maps: dict[tuple[int, int], Tensor] = {}  # (peer, slot number) -> its mapping
         wait_s = RELEASE_WAIT_S if link.timeout is None else link.timeout.total_seconds()
@@ -230,41 +241,36 @@ class SharedSlots:
         if free:
             slot = min(free, key=lambda s: s.data.numel())
         else:
-            slot = self._open_slot(-(-nbytes // _SLOT_GRANULE) * _SLOT_GRANULE)
+            size = -(-nbytes // _SLOT_GRANULE) * _SLOT_GRANULE
+            fd = _new_memory(size)
+            slot = _Slot(len(self._own.slots), _map(fd, size), fd)
+            self._own.slots.append(slot)
         slot.unread = set(self._link.peers)
         return slot
 
-    def _open_slot(self, nbytes: int) -> _Slot:
-        number = len(self._own.slots)
-        path = _path(self._own.prefix, number)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        self._own.linked.add(path)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)  # ENOSPC here, not SIGBUS at the first write
-        except OSError as exc:
-            self._own.unlink(path)
-            raise RuntimeError(
-                _SHM_FULL_HELP.format(nbytes=nbytes, dir=SHM_DIR, error=exc)) from exc
-        finally:
-            os.close(fd)
-        slot = _Slot(number, torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8))
-        self._own.slots.append(slot)
-        return slot
-
     def _announce(self, slot: _Slot, tag: int) -> tuple[list[Any], dict[int, Tensor]]:
-        mine = torch.tensor([slot.number, slot.data.numel()], dtype=torch.int64)
+        """Send every peer the token of `slot`: number, size and, until every peer has opened
+        it, its descriptor and inode (-1, 0 after)."""
+        fd = slot.fd
+        inode = os.fstat(fd).st_ino if fd >= 0 else 0
+        mine = torch.tensor([slot.number, slot.data.numel(), fd, inode], dtype=torch.int64)
         return self._link.post(mine, tag)
 
     def _read(self, q: int, token: Tensor, start: int, like: Tensor) -> Tensor:
         """Peer q's slot named by `token`, from byte `start`, as much as `like` (its dtype)."""
-        number, nbytes = (int(v) for v in token.tolist())
+        number, nbytes, fd, inode = (int(v) for v in token.tolist())
         key = (q, number)
         if key not in self._maps:
-            path = _path(self._prefixes[q], number)
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {self._link.rank}: rank {q}'s shared-memory slot "
-                                   f"{path} is gone (was /dev/shm cleaned during the run?)")
-            self._maps[key] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            try:
+                mine = _open_checked(self._pids[q], fd, inode, os.O_RDWR)
+            except OSError as exc:
+                raise RuntimeError(
+                    f"rank {self._link.rank} cannot open rank {q}'s shared-memory slot "
+                    f"{number} ({exc}): did rank {q} exit?") from exc
+            try:
+                self._maps[key] = _map(mine, nbytes)
+            finally:
+                os.close(mine)
         return self._maps[key][start : start + like.nbytes].view(like.dtype)
 
     def _done(self, tokens: dict[int, Tensor]) -> None:
@@ -340,33 +346,37 @@ def open_shared_slots(
     slots, or every rank returns None.
     """
     link = _Link(rank, global_ranks, group, timeout)
-    nonce = secrets.randbits(62)
-    prefix = _prefix(os.getpid(), nonce)
-    pipe_path, pipe, writers = _path(prefix, "done"), -1, {}
+    pipe, write_end = os.pipe()
+    os.set_blocking(pipe, False)
+    probe_bytes = secrets.token_bytes(_PROBE_BYTES)
+    probe = _new_memory(_PROBE_BYTES)
+    os.pwrite(probe, probe_bytes, 0)
+    opened: list[int] = []
+    writers: dict[int, int] = {}
     try:
-        os.mkfifo(pipe_path, 0o600)
-        # Read and write: opening a FIFO for reading alone blocks until a writer comes.
-        pipe = os.open(pipe_path, os.O_RDWR | os.O_NONBLOCK)
-        able = shutil.disk_usage(SHM_DIR).free >= MIN_FREE_BYTES
-    except OSError:
-        able = False
-    try:
-        theirs = link.exchange(torch.tensor([os.getpid(), nonce], dtype=torch.int64), tag)
-        prefixes = {q: _prefix(*(int(v) for v in token.tolist())) for q, token in theirs.items()}
-        for q, their_prefix in prefixes.items() if able else ():
+        mine = [os.getpid(), write_end, os.fstat(write_end).st_ino, probe,
+                os.fstat(probe).st_ino, *probe_bytes]
+        theirs = link.exchange(torch.tensor(mine, dtype=torch.int64), tag)
+        able = True
+        for q, token in theirs.items():
+            pid, their_pipe, pipe_inode, their_probe, probe_inode, *expected = token.tolist()
             try:
-                writers[q] = os.open(_path(their_prefix, "done"), os.O_WRONLY | os.O_NONBLOCK)
+                probe_fd = _open_checked(pid, their_probe, probe_inode, os.O_RDONLY)
+                opened.append(probe_fd)
+                if os.pread(probe_fd, _PROBE_BYTES, 0) != bytes(expected):
+                    raise OSError("the probe's bytes differ")
+                writers[q] = _open_checked(pid, their_pipe, pipe_inode, os.O_WRONLY)
+                os.set_blocking(writers[q], False)
             except OSError:
                 able = False
                 break
         votes = link.exchange(torch.tensor([int(able)], dtype=torch.int64), tag + 1)
-    finally:  # after the second round every peer has opened it (or given up)
-        if pipe >= 0:
-            os.unlink(pipe_path)
-    if able and all(bool(vote.item()) for vote in votes.values()):
-        prefixes[rank] = prefix
-        return SharedSlots(link, prefixes, _Own(prefix, pipe, writers))
-    for fd in (pipe, *writers.values()):
-        if fd >= 0:
+    finally:  # after the second round every peer has opened them (or given up)
+        for fd in (write_end, probe, *opened):
             os.close(fd)
+    if able and all(bool(vote.item()) for vote in votes.values()):
+        pids = {q: int(token[0]) for q, token in theirs.items()}
+        return SharedSlots(link, pids, _Own(pipe, writers))
+    for fd in (pipe, *writers.values()):
+        os.close(fd)
     return None

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero.comm import CommBase, Work
-from fzero.shm import MIN_CHUNK_BYTES, MIN_FREE_BYTES, SharedSlots, open_shared_slots
+from fzero.shm import MIN_CHUNK_BYTES, SharedSlots, open_shared_slots
 
 __all__ = ["NO_GROUP_HELP", "TRANSPORTS", "TorchComm"]
 
@@ -25,9 +25,9 @@ TRANSPORTS: tuple[str, ...] = ("single", "pairwise", "shm")
 """How `TorchComm` implements all-gather and reduce-scatter (see its docstring)."""
 
 NO_SHARED_MEMORY_HELP = (
-    "TorchComm(transport='shm') needs every rank of the group on one host, sharing a /dev/shm "
-    "with at least {free} bytes free; some rank could not open another's files there. Use "
-    "transport='pairwise' (or leave transport=None, which falls back to it)."
+    "TorchComm(transport='shm') needs every rank of the group on one host, run by one user, "
+    "in one pid namespace (each must open the others' memory through /proc/<pid>/fd); some "
+    "rank could not. Use transport='pairwise' (gloo's default)."
 )
 
 NO_GROUP_HELP = (
@@ -106,21 +106,24 @@ class TorchComm(CommBase):
 
     - ``"single"`` (NCCL's default): the single-tensor collectives (`all_gather_single` /
       `reduce_scatter_single`, or their pre-2.13 names), no per-rank tensor lists.
-    - ``"pairwise"``: every rank sends each other rank the chunk that rank needs and receives
-      its own directly (`isend` / `irecv`, one tag per collective, counted alike on every rank,
-      so collectives in flight together never take each other's messages): one round of
-      messages, (N-1)/N of the data each way, as a ring. A reduce-scatter receives the N-1
-      chunks into a scratch buffer and sums all N in rank order (the same bits whichever rank
-      sums); an all-gather receives straight into the output. gloo's own single-tensor
-      collectives, and one gloo reduce or broadcast per rank, are 1.2-2x slower on the same
-      bytes (see the README's performance notes).
-    - ``"shm"`` (gloo's default): as pairwise, but chunks of at least `shm_min_bytes` go
-      through shared memory (`fzero.shm`): each rank copies its data into a slot its peers
-      have mapped, and small tokens over gloo say where and when; a reduce-scatter sums
-      straight from the peers' slots, in the same order and to the same bits as pairwise. At
-      the first such collective the ranks test, together, that every rank can map every
-      other's files; if not (several hosts, or a small /dev/shm), a default comm switches to
-      pairwise for good (`transport` then says so) and an explicit ``"shm"`` raises.
+    - ``"pairwise"`` (gloo's default): every rank sends each other rank the chunk that rank
+      needs and receives its own directly (`isend` / `irecv`, one tag per collective, counted
+      alike on every rank, so collectives in flight together never take each other's
+      messages): one round of messages, (N-1)/N of the data each way, as a ring. A
+      reduce-scatter receives the N-1 chunks into a scratch buffer and sums all N in rank
+      order (the same bits whichever rank sums); an all-gather receives straight into the
+      output. gloo's own single-tensor collectives, and one gloo reduce or broadcast per rank,
+      are 1.2-2x slower on the same bytes (see the README's performance notes).
+    - ``"shm"`` (gloo, every rank on one host; asked for, never the default): as pairwise, but
+      chunks of at least `shm_min_bytes` go through shared memory (`fzero.shm`): each rank
+      copies its data into a slot its peers have mapped, and small tokens over gloo say where
+      and when; a reduce-scatter sums straight from the peers' slots, in the same order and to
+      the same bits as pairwise. Faster (less CPU per byte), but each collective in flight
+      holds a slot of its own data, and readers map their peers' slots: the bytes in flight
+      count in RSS twice (stages 1-2 publish every bucket at once: Ψ/N per rank more at the
+      peak). At the first such collective the ranks test, together, that every rank can map
+      every other's memory; if any cannot (several hosts, another container's pid namespace)
+      every rank raises.
 
     Every transport works in place (`in_place`) except "single".
 
@@ -133,7 +136,7 @@ class TorchComm(CommBase):
         timeout: If given, the CPU-side wait of every collective is bounded by it (on NCCL this
             makes `wait()` block the CPU). None: the group's own timeout applies.
         transport: ``"single"``, ``"pairwise"`` or ``"shm"`` (see above); None picks by
-            backend: "shm" where it works on gloo, "single" on NCCL.
+            backend: "pairwise" on gloo, "single" on NCCL.
         shm_min_bytes: "shm": the smallest chunk (bytes each rank sends each peer) that goes
             through shared memory; smaller ones go pairwise over TCP. Channels inherit it.
 
@@ -144,7 +147,7 @@ class TorchComm(CommBase):
 
     Raises:
         ValueError: If no process group is initialized or this process is not in `group`;
-            at the first large collective, if ``transport="shm"`` was asked for and some rank
+            with ``transport="shm"``, at the first large collective, on every rank, if some rank
             cannot map another's memory.
     """
 
@@ -177,14 +180,13 @@ class TorchComm(CommBase):
         self.timeout = _as_timedelta(timeout)
         self._ops = _single_tensor_collectives()
         self._native_avg = True
-        if transport is not None and transport not in TRANSPORTS:
+        if transport is None:
+            transport = "pairwise" if self.backend == "gloo" else "single"
+        if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "shm" and self.backend != "gloo":
             raise ValueError(
                 f"transport='shm' moves CPU tensors: it needs gloo, not {self.backend}")
-        self._shm_required = transport == "shm"
-        if transport is None:
-            transport = "shm" if self.backend == "gloo" else "single"
         if not isinstance(shm_min_bytes, int) or shm_min_bytes < 0:
             raise ValueError(f"shm_min_bytes must be an int >= 0, got {shm_min_bytes!r}")
         self.transport = transport
@@ -227,10 +229,7 @@ class TorchComm(CommBase):
             use_local_synchronization=self.group is not None,
             group_desc=f"fzero:{name}",
         )
-        if backend != self.backend or (self.transport == "shm" and not self._shm_required):
-            transport = None  # the backend's default, decided by the channel as by this comm
-        else:
-            transport = self.transport
+        transport = None if backend != self.backend else self.transport
         return TorchComm(group, timeout=self.timeout, transport=transport,
                          shm_min_bytes=self.shm_min_bytes)
 
@@ -268,9 +267,7 @@ class TorchComm(CommBase):
             self._slots = open_shared_slots(
                 self.rank, self._global_ranks, self.group, self._next_tag(2), self.timeout)
             if self._slots is None:
-                if self._shm_required:
-                    raise ValueError(NO_SHARED_MEMORY_HELP.format(free=f"{MIN_FREE_BYTES:,}"))
-                self.transport = "pairwise"
+                raise ValueError(NO_SHARED_MEMORY_HELP)
         return self._slots
 
     def _exchange(self, sends: list[Tensor], recvs: list[Tensor]) -> list[Any]:

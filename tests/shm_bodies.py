@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import glob
 import os
 import tempfile
 import time
@@ -87,27 +86,25 @@ def in_flight_body(
     return {"wrong": wrong, **used(shm)}
 
 
-def own_files(comm: TorchComm) -> list[str]:
-    """The files of this rank's slots and pipe still named in /dev/shm."""
-    assert comm._slots is not None
-    prefix = comm._slots._prefixes[comm.rank]
-    return sorted(glob.glob(os.path.join(fshm.SHM_DIR, f"{prefix}-*")))
+def open_fds() -> set[int]:
+    """This process's open file descriptors."""
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
 
-def files_body(comm: Comm, inputs: list[Tensor]) -> dict[str, Any]:
-    """Which of this rank's files exist: after the handshake and a first collective, after a
-    second one (every peer has read the first slot: its name can go), and once the comm is
-    gone (none)."""
+def descriptors_body(comm: Comm, inputs: list[Tensor]) -> dict[str, Any]:
+    """Which descriptors a "shm" comm holds: its pipe's ends and one per slot until every peer
+    has opened it; none once the comm is gone (nothing to clean up after any exit)."""
+    before = open_fds()
     shm = forced()
-    cb.all_gather_body(shm, inputs)
-    first = own_files(shm)
+    cb.all_gather_body(shm, inputs)  # the handshake and a first slot
+    first = len(open_fds() - before)
     shm.barrier()  # every peer has read the first slot and written its done record
     cb.reduce_scatter_body(shm, inputs, "sum")  # the next acquire drains the pipe
-    second = own_files(shm)
-    pattern = os.path.join(fshm.SHM_DIR, f"{shm._slots._prefixes[shm.rank]}-*")  # type: ignore[union-attr]
+    second = len(open_fds() - before)
+    slots = shm._slots.slots  # type: ignore[union-attr]
     del shm
     gc.collect()
-    return {"first": first, "second": second, "after": glob.glob(pattern)}
+    return {"first": first, "second": second, "slots": slots, "after": open_fds() - before}
 
 
 @contextlib.contextmanager
@@ -123,27 +120,26 @@ def patched(module: Any, **values: Any) -> Iterator[None]:
             setattr(module, name, value)
 
 
-def fallback_body(
+def unshared_body(
     comm: Comm, inputs: list[Tensor], ranks: list[int], why: str
 ) -> dict[str, Any]:
-    """The ranks in `ranks` cannot share memory (`why`: "dir", their own /dev/shm; "full", too
-    little free space); the others can. A default comm falls back to pairwise on every rank and
-    still gathers exactly; an explicit "shm" comm raises on every rank."""
+    """The ranks in `ranks` cannot open the others' memory (`why`: "proc", they see another
+    /proc, as in another pid namespace; "inode", what they open is another file, as under an
+    unrelated process with the same pid); the others can. A "shm" comm raises on every
+    rank at its first large collective, and the group still works afterwards."""
     mine = comm.rank in ranks
     with contextlib.ExitStack() as stack:
-        if mine and why == "dir":
-            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="not-dev-shm-"))
-            stack.enter_context(patched(fshm, SHM_DIR=root))
-        if mine and why == "full":
-            stack.enter_context(patched(fshm, MIN_FREE_BYTES=1 << 62))
-        default = TorchComm(shm_min_bytes=0)
-        gathered = cb.all_gather_body(default, inputs)
+        if mine and why == "proc":
+            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="not-proc-"))
+            stack.enter_context(patched(fshm, PROC_DIR=root))
+        if mine and why == "inode":
+            stack.enter_context(patched(fshm, _peer_path=lambda pid, fd: os.devnull))
         try:
             cb.all_gather_body(forced(), inputs)
             error = None
         except ValueError as exc:
             error = str(exc)
-    return {"transport": default.transport, "all_gather": gathered, "error": error}
+    return {"error": error, "all_gather": cb.all_gather_body(comm, inputs)}
 
 
 def no_space_body(comm: Comm, inputs: list[Tensor]) -> str | None:
@@ -155,7 +151,7 @@ def no_space_body(comm: Comm, inputs: list[Tensor]) -> str | None:
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(28, "No space left on device")
 
-    with patched(fshm.os, posix_fallocate=full):
+    with patched(fshm.os, posix_fallocate=full):  # a new slot is the first allocation
         try:
             cb.all_gather_body(shm, bigger)
         except RuntimeError as exc:

@@ -122,9 +122,9 @@ def table_rows(text: str) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_bench_step_runs() -> None:
     out = run(str(EXAMPLES / "bench_step.py"), "--nproc", "2", "--size", "tiny", "--steps", "1",
-              "--warmup", "1", "--rounds", "1", "--rows", "ddp,fzero_2")
+              "--warmup", "1", "--rounds", "1", "--rows", "ddp,fzero_2,fzero_3_shm")
     rows = table_rows(out)
-    for label in ("DDP + AdamW", "fzero stage 2"):  # a time, the spread of the round(s)
+    for label in ("DDP + AdamW", "fzero stage 2", "fzero stage 3, shm"):  # time (round spread)
         assert re.match(r"\| [^|]+ \| [\d.,]+ \([\d.,]+\) \|", rows[label][0]), rows[label]
     overlap = rows["fzero stage 2"][1]  # t_step, t_compute, t_comm, collectives, overlap
     assert re.fullmatch(r"\| fzero stage 2( \| -?[\d.,]+){5} \|", overlap), overlap
@@ -148,9 +148,11 @@ def test_bench_scaling_runs() -> None:
 
 @pytest.mark.slow
 def test_bench_collectives_runs() -> None:
-    out = run(str(EXAMPLES / "bench_collectives.py"), "--mib", "1", "--buckets", "2",
-              "--warmup", "0", "--repeats", "5")
-    assert len([r for r in table_rows(out) if "gather" in r or "scatter" in r]) == 4, out
+    for transport in ("pairwise", "shm"):
+        out = run(str(EXAMPLES / "bench_collectives.py"), "--mib", "1", "--buckets", "2",
+                  "--warmup", "0", "--repeats", "5", "--transport", transport)
+        assert f"transport {transport}," in out, out
+        assert len([r for r in table_rows(out) if "gather" in r or "scatter" in r]) == 4, out
 
 
 def test_bench_flat_runs() -> None:
