@@ -58,8 +58,9 @@ from torch import Tensor
 __all__ = ["MIN_CHUNK_BYTES", "PROC_DIR", "RELEASE_WAIT_S", "SharedSlots", "open_shared_slots"]
 
 MIN_CHUNK_BYTES = 1 << 20
-"""Chunks smaller than this go over TCP: there one message costs about what two tokens and two
-copies cost (2 ranks, 2 cores: even at 256-512 KiB, shared memory 1.3-2x faster from 1 MiB)."""
+"""Chunks smaller than this go over TCP, where one message costs about what two tokens and two
+copies cost (2 ranks, 2 cores: TCP faster at 128 KiB, even at 256-512 KiB, shared memory
+1.3-2x faster from 1 MiB on)."""
 RELEASE_WAIT_S = 60.0
 """How long slots that are dropped wait for peers still to open them (without a comm timeout)."""
 PROC_DIR = "/proc"
