@@ -283,6 +283,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="train with plain torch.optim.AdamW in one process (the parity baseline)",
     )
+    ap.add_argument("--transport", choices=("pairwise", "shm"), default=None,
+                    help="gloo ranks' transport (default pairwise; shm: shared memory, one host)")
     ap.add_argument("--metrics-json", default=None, help="rank 0 writes every rank's losses here")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.accum_steps < 1 or args.batch_size < 1:
@@ -304,7 +306,7 @@ def main(argv=None) -> None:
         return
     # The process group from torchrun's (or Slurm's) environment, or a one-rank world without
     # a launcher; NCCL on cuda:LOCAL_RANK when CUDA is there, else gloo. Destroyed on exit.
-    with fzero.distributed() as comm:
+    with fzero.distributed(transport=args.transport) as comm:
         run(args, comm)
 
 

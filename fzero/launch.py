@@ -166,6 +166,7 @@ def init_distributed(
     *,
     timeout: timedelta = DEFAULT_TIMEOUT,
     device: torch.device | str | int | None = None,
+    transport: str | None = None,
 ) -> TorchComm:
     """Initialize the default process group from the launcher's environment.
 
@@ -181,6 +182,8 @@ def init_distributed(
         timeout: Timeout of every collective of the group.
         device: CUDA device for this process (NCCL); None: `cuda:LOCAL_RANK` for nccl, CPU
             otherwise. A CUDA device is made current with `torch.cuda.set_device`.
+        transport: The returned comm's transport (`TorchComm`): None for the backend's
+            default, ``"shm"`` for shared memory between gloo ranks of one host.
 
     Returns:
         A `TorchComm` over the default group.
@@ -189,7 +192,7 @@ def init_distributed(
         ValueError: On a missing or malformed launcher variable, or no usable CUDA device.
     """
     if dist.is_initialized():
-        return TorchComm()
+        return TorchComm(transport=transport)
     env = parse_launch_env(os.environ)
     _check_restart_store(os.environ)
     if backend is None:
@@ -212,7 +215,7 @@ def init_distributed(
             world_size=env.world_size,
             **kwargs,
         )
-    return TorchComm()
+    return TorchComm(transport=transport)
 
 
 RESTART_STORE_HELP = (
@@ -243,6 +246,7 @@ def distributed(
     *,
     timeout: timedelta = DEFAULT_TIMEOUT,
     device: torch.device | str | int | None = None,
+    transport: str | None = None,
 ) -> Iterator[TorchComm]:
     """`init_distributed` for a `with` block; destroys the group on exit if it created it.
 
@@ -250,12 +254,13 @@ def distributed(
         backend: As in `init_distributed`.
         timeout: As in `init_distributed`.
         device: As in `init_distributed`.
+        transport: As in `init_distributed`.
 
     Yields:
         A `TorchComm` over the default group.
     """
     created = not dist.is_initialized()
-    comm = init_distributed(backend, timeout=timeout, device=device)
+    comm = init_distributed(backend, timeout=timeout, device=device, transport=transport)
     try:
         yield comm
     finally:

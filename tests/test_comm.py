@@ -710,6 +710,9 @@ def test_init_distributed_single_process_fallback(bare_env: pytest.MonkeyPatch) 
         res = cb.every_collective_body(comm, cb.make_inputs(1, 4, torch.float32))
         exact(res["all_gather"], cb.make_inputs(1, 4, torch.float32)[0])
         assert res["total"] == 0 and res["counters"]["calls"]["all_reduce"] == 4
+        assert init_distributed(transport="shm").transport == "shm"  # for the returned comm
+        with pytest.raises(ValueError, match="transport must be one of"):
+            init_distributed(transport="ring")
     assert not dist.is_initialized()
     destroy_distributed()  # a no-op without a group
 

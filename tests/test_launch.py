@@ -35,11 +35,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_node(tmp_path: Path, stage: int) -> list[dict]:
-    out = tmp_path / f"one-node-{stage}.json"
+def one_node(tmp_path: Path, stage: int, *extra: str) -> list[dict]:
+    out = tmp_path / f"one-node-{stage}{'-'.join(extra)}.json"
     subprocess.run(
         torchrun("--standalone", "--nproc-per-node", "2", SCRIPT, *SMALL, "--stage", str(stage),
-                 "--metrics-json", str(out)),
+                 "--metrics-json", str(out), *extra),
         env=env(), check=True, timeout=TIMEOUT, capture_output=True,
     )
     return json.loads(out.read_text())
@@ -53,6 +53,15 @@ def test_torchrun_standalone_two_processes(tmp_path: Path) -> None:
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses  # it learns
     assert ranks[1]["losses"] == losses  # every rank reports the same global loss
     assert ranks[1]["val_loss"] == ranks[0]["val_loss"]  # and gathered the same parameters
+
+
+@pytest.mark.slow
+def test_torchrun_through_shared_memory_trains_as_pairwise(tmp_path: Path) -> None:
+    """`--transport shm` (fzero.distributed(transport="shm")): the same losses, bitwise, as the
+    default transport (the shared-memory sums run in the same order). The blocks' bucket sends
+    3.6 MB chunks, above `shm_min_bytes`: they go through shared memory."""
+    shared = one_node(tmp_path, 2, "--transport", "shm")
+    assert [r["losses"] for r in shared] == [r["losses"] for r in one_node(tmp_path, 2)]
 
 
 @pytest.mark.slow
