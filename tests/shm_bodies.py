@@ -86,25 +86,39 @@ def in_flight_body(
     return {"wrong": wrong, **used(shm)}
 
 
-def open_fds() -> set[int]:
-    """This process's open file descriptors."""
-    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+def open_files() -> list[str]:
+    """What this process's descriptors point at (``readlink /proc/self/fd/*``)."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile (listdir's own descriptor, another thread's)
+            pass
+    return targets
+
+
+def slot_descriptors() -> int:
+    """How many of this process's descriptors are shared-memory slots (memfds fzero made)."""
+    return sum(target.startswith("/memfd:fzero-slot") for target in open_files())
 
 
 def descriptors_body(comm: Comm, inputs: list[Tensor]) -> dict[str, Any]:
-    """Which descriptors a "shm" comm holds: its pipe's ends and one per slot until every peer
-    has opened it; none once the comm is gone (nothing to clean up after any exit)."""
-    before = open_fds()
+    """Which descriptors a "shm" comm holds: one per slot until every peer has opened it, and
+    its pipes; none once the comm is gone (nothing to clean up after any exit)."""
     shm = forced()
     cb.all_gather_body(shm, inputs)  # the handshake and a first slot
-    first = len(open_fds() - before)
+    first = slot_descriptors()
     shm.barrier()  # every peer has read the first slot and written its done record
     cb.reduce_scatter_body(shm, inputs, "sum")  # the next acquire drains the pipe
-    second = len(open_fds() - before)
+    second = slot_descriptors()
+    own = shm._slots._own  # type: ignore[union-attr]
+    pipes = {f"pipe:[{os.fstat(fd).st_ino}]" for fd in (own.pipe, *own.writers.values())}
+    held = sum(target in pipes for target in open_files())
     slots = shm._slots.slots  # type: ignore[union-attr]
-    del shm
+    del shm, own
     gc.collect()
-    return {"first": first, "second": second, "slots": slots, "after": open_fds() - before}
+    return {"first": first, "second": second, "slots": slots, "pipes": held,
+            "after": slot_descriptors(), "pipes_after": sum(t in pipes for t in open_files())}
 
 
 @contextlib.contextmanager

@@ -94,9 +94,10 @@ def test_descriptors_are_closed_once_read_and_when_the_comm_goes(gloo_pool: Any)
     and a dropped comm leaves no descriptor (nor anything in /dev/shm) behind."""
     inputs = cb.make_inputs(2, 2 * CHUNK, torch.float32)
     for res in gloo_pool(2).run(shb.descriptors_body, inputs):
-        assert res["first"] == 3  # this rank's pipe, its end of the peer's pipe, slot 0
-        assert res["second"] == 2 + res["slots"] - 1  # slot 0 read by the peer: closed
-        assert res["after"] == set()
+        assert res["first"] == 1  # slot 0, not yet known to be read
+        assert res["second"] == res["slots"] - 1  # slot 0 read by the peer: closed
+        assert res["pipes"] == 2  # this rank's pipe, its end of the peer's
+        assert res["after"] == res["pipes_after"] == 0
 
 
 @pytest.mark.parametrize(("n", "ranks", "why"), [
