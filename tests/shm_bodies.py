@@ -115,6 +115,7 @@ def descriptors_body(comm: Comm, inputs: list[Tensor]) -> dict[str, Any]:
     pipes = {f"pipe:[{os.fstat(fd).st_ino}]" for fd in (own.pipe, *own.writers.values())}
     held = sum(target in pipes for target in open_files())
     slots = shm._slots.slots  # type: ignore[union-attr]
+    shm.barrier()  # no rank drops its comm (and pipe) before every rank has counted
     del shm, own
     gc.collect()
     return {"first": first, "second": second, "slots": slots, "pipes": held,
