@@ -55,7 +55,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["MIN_CHUNK_BYTES", "PROC_DIR", "RELEASE_WAIT_S", "SharedSlots", "open_shared_slots"]
+__all__ = [
+    "MIN_CHUNK_BYTES",
+    "PROC_DIR",
+    "RELEASE_WAIT_S",
+    "SharedSlots",
+    "open_shared_slots",
+    "wait_all",
+]
 
 MIN_CHUNK_BYTES = 1 << 20
 """Chunks smaller than this go over TCP, where one message costs about what two tokens and two
@@ -75,7 +82,8 @@ _NO_MEMORY_HELP = (
 )
 
 
-def _wait_all(works: Sequence[Any], timeout: timedelta | None) -> None:
+def wait_all(works: Sequence[Any], timeout: timedelta | None) -> None:
+    """Wait for each torch `Work` in turn, each wait bounded by `timeout` (None: the group's)."""
     for work in works:
         if timeout is None:
             work.wait()
@@ -116,7 +124,7 @@ class _Link:
     def exchange(self, mine: Tensor, tag: int) -> dict[int, Tensor]:
         """`post`, then wait (bounded by `timeout`)."""
         works, theirs = self.post(mine, tag)
-        _wait_all(works, self.timeout)
+        wait_all(works, self.timeout)
         return theirs
 
 
@@ -153,12 +161,13 @@ def _new_memory(nbytes: int) -> int:
 class _Slot:
     """One of this rank's slots: its memory, and the peers that have yet to read it."""
 
-    __slots__ = ("number", "data", "fd", "unread")
+    __slots__ = ("number", "data", "fd", "inode", "unread")
 
     def __init__(self, number: int, data: Tensor, fd: int) -> None:
         self.number = number
         self.data = data  # uint8, the whole slot
         self.fd = fd  # open until every peer has read the slot once (then -1)
+        self.inode = os.fstat(fd).st_ino  # what a peer checks when it opens the slot
         self.unread: set[int] = set()  # peers that have not yet read the current collective
 
 
@@ -252,9 +261,8 @@ class SharedSlots:
     def _announce(self, slot: _Slot, tag: int) -> tuple[list[Any], dict[int, Tensor]]:
         """Send every peer the token of `slot`: number, size and, until every peer has opened
         it, its descriptor and inode (-1, 0 after)."""
-        fd = slot.fd
-        inode = os.fstat(fd).st_ino if fd >= 0 else 0
-        mine = torch.tensor([slot.number, slot.data.numel(), fd, inode], dtype=torch.int64)
+        opening = (slot.fd, slot.inode) if slot.fd >= 0 else (-1, 0)
+        mine = torch.tensor([slot.number, slot.data.numel(), *opening], dtype=torch.int64)
         return self._link.post(mine, tag)
 
     def _read(self, q: int, token: Tensor, start: int, like: Tensor) -> Tensor:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fzero.comm import CommBase, Work
-from fzero.shm import MIN_CHUNK_BYTES, SharedSlots, open_shared_slots
+from fzero.shm import MIN_CHUNK_BYTES, SharedSlots, open_shared_slots, wait_all
 
 __all__ = ["NO_GROUP_HELP", "TRANSPORTS", "TorchComm"]
 
@@ -78,11 +78,7 @@ class _TorchWork:
         self._then = then
 
     def wait(self) -> None:
-        for work in self._works:
-            if self._timeout is None:
-                work.wait()
-            else:
-                work.wait(self._timeout)
+        wait_all(self._works, self._timeout)
         then, self._then = self._then, None
         if then is not None:
             then()
