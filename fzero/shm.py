@@ -41,11 +41,14 @@ succeeded, so every rank decides alike (and `TorchComm` raises on every rank if 
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import secrets
 import select
 import struct
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -70,8 +73,13 @@ copies cost (2 ranks, 2 cores: TCP faster at 128 KiB, even at 256-512 KiB, share
 1.3-2x faster from 1 MiB on)."""
 RELEASE_WAIT_S = 60.0
 """How long slots that are dropped wait for peers still to open them (without a comm timeout)."""
+SLOW_RELEASE_S = 5.0
+"""Dropped slots that have waited this long for a live peer warn."""
+_LIVENESS_POLL_S = 0.5  # how often a release that waits looks whether its peers still run
 PROC_DIR = "/proc"
 """Where a rank finds its peers' descriptors (``<PROC_DIR>/<pid>/fd/<fd>``)."""
+_LIBC = ctypes.CDLL(None, use_errno=True)  # madvise: Python's mmap.madvise would need a
+# mmap object, which keeps a descriptor of the slot open (until 3.13's trackfd=False)
 _SLOT_GRANULE = 1 << 20  # slot sizes round up to this, so close sizes share slots
 _DONE = struct.Struct("<ii")  # a done record: (reader's rank, slot number); atomic in a pipe
 _PROBE_BYTES = 16
@@ -147,6 +155,28 @@ def _map(fd: int, nbytes: int) -> Tensor:
     return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
 
 
+class _PeerMap:
+    """This rank's mapping of a peer's slot. After each read its pages are unmapped again
+    (`forget`): the peer's slot stays in the peer's RSS alone, the data stays in the slot, and
+    the next read maps the pages anew (one minor fault per 16 pages: the kernel maps a
+    file's neighbouring pages with each fault)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        self.data = _map(fd, nbytes)  # page-aligned: a mapping of its own
+
+    def forget(self, start: int, nbytes: int) -> None:
+        """Unmap the pages holding bytes ``[start, start + nbytes)`` (their data stays)."""
+        first = start - start % mmap.PAGESIZE
+        end = min(-(-(start + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE, self.data.numel())
+        if end > first and _LIBC.madvise(
+            ctypes.c_void_p(self.data.data_ptr() + first), ctypes.c_size_t(end - first),
+            mmap.MADV_DONTNEED,
+        ):
+            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of a peer's slot failed")
+
+
 def _new_memory(nbytes: int) -> int:
     """A descriptor of `nbytes` of fresh anonymous shared memory, reserved up front."""
     fd = os.memfd_create("fzero-slot", os.MFD_CLOEXEC)
@@ -177,9 +207,10 @@ class _Own:
     Holds no reference to the `SharedSlots` using it, so it can release them when that goes.
     """
 
-    def __init__(self, pipe: int, writers: dict[int, int]) -> None:
+    def __init__(self, pipe: int, writers: dict[int, int], pids: dict[int, int]) -> None:
         self.pipe = pipe  # the read end of this rank's pipe (non-blocking)
         self.writers = writers  # peer -> the write end of its pipe
+        self.pids = pids  # peer -> its process id
         self.slots: list[_Slot] = []
 
     def drain(self) -> None:
@@ -201,12 +232,22 @@ class _Own:
                     slot.fd = -1
 
     def release(self, wait_s: float) -> None:
-        """Close every descriptor, once every peer has opened the slots it was told of
-        (waiting at most `wait_s`: a peer still to read needs the descriptor to open it)."""
-        deadline = time.monotonic() + wait_s
-        while (any(slot.unread and slot.fd >= 0 for slot in self.slots)
-               and (left := deadline - time.monotonic()) > 0):
-            select.select([self.pipe], [], [], left)
+        """Close every descriptor, once every live peer has opened the slots it was told of
+        (waiting at most `wait_s`: a peer still to read needs the descriptor to open it; a
+        peer whose process has ended never will). Waiting longer than `SLOW_RELEASE_S` warns,
+        naming the ranks waited for."""
+        start = time.monotonic()
+        warned = False
+        while waited := self._waited_for():
+            now = time.monotonic()
+            if now - start >= wait_s:
+                break
+            if not warned and now - start >= SLOW_RELEASE_S:
+                warnings.warn(
+                    f"fzero's shared-memory slots wait for rank(s) {sorted(waited)} to open a "
+                    f"slot they were told of (at most {wait_s:.0f} s in all)", stacklevel=2)
+                warned = True
+            select.select([self.pipe], [], [], min(_LIVENESS_POLL_S, start + wait_s - now))
             self.drain()
         for fd in (*(slot.fd for slot in self.slots), self.pipe, *self.writers.values()):
             if fd >= 0:
@@ -214,6 +255,26 @@ class _Own:
         for slot in self.slots:
             slot.fd = -1
         self.writers.clear()
+
+
+    def _waited_for(self) -> set[int]:
+        """Live peers that have yet to open a slot of this rank's (dead ones are forgotten)."""
+        waited = set().union(*(slot.unread for slot in self.slots if slot.fd >= 0))
+        for q in waited - {q for q in waited if _alive(self.pids[q])}:
+            for slot in self.slots:
+                slot.unread.discard(q)
+            waited.discard(q)
+        return waited
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` is running (not gone, not a zombie awaiting its parent)."""
+    try:
+        with open(os.path.join(PROC_DIR, str(pid), "stat")) as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 class SharedSlots:
@@ -226,11 +287,10 @@ class SharedSlots:
     collectives.
     """
 
-    def __init__(self, link: _Link, pids: dict[int, int], own: _Own) -> None:
+    def __init__(self, link: _Link, own: _Own) -> None:
         self._link = link
-        self._pids = pids  # peer -> its process id
         self._own = own
-        self._maps: dict[tuple[int, int], Tensor] = {}  # (peer, slot number) -> its mapping
+        self._maps: dict[tuple[int, int], _PeerMap] = {}  # (peer, slot number) -> its map
         wait_s = RELEASE_WAIT_S if link.timeout is None else link.timeout.total_seconds()
         weakref.finalize(self, own.release, wait_s)
 
@@ -271,21 +331,24 @@ class SharedSlots:
         key = (q, number)
         if key not in self._maps:
             try:
-                mine = _open_checked(self._pids[q], fd, inode, os.O_RDWR)
+                mine = _open_checked(self._own.pids[q], fd, inode, os.O_RDWR)
             except OSError as exc:
                 raise RuntimeError(
                     f"rank {self._link.rank} cannot open rank {q}'s shared-memory slot "
                     f"{number} ({exc}): did rank {q} exit?") from exc
             try:
-                self._maps[key] = _map(mine, nbytes)
+                self._maps[key] = _PeerMap(mine, nbytes)
             finally:
                 os.close(mine)
-        return self._maps[key][start : start + like.nbytes].view(like.dtype)
+        return self._maps[key].data[start : start + like.nbytes].view(like.dtype)
 
-    def _done(self, tokens: dict[int, Tensor]) -> None:
-        """Tell each peer that its slot named in `tokens` has been read."""
+    def _done(self, tokens: dict[int, Tensor], start: int | dict[int, int], nbytes: int) -> None:
+        """Unmap what was read of each peer's slot named in `tokens` (`nbytes` from `start`,
+        or from ``start[q]``), then tell the peer that it has been read."""
         writers = self._own.writers
         for q, token in tokens.items():
+            first = start if isinstance(start, int) else start[q]
+            self._maps[(q, int(token[0]))].forget(first, nbytes)
             if q not in writers:
                 continue
             try:
@@ -305,7 +368,7 @@ class SharedSlots:
         def read() -> None:
             for q, token in tokens.items():
                 chunks[q].copy_(self._read(q, token, 0, chunks[q]))
-            self._done(tokens)
+            self._done(tokens, 0, input.nbytes)
 
         return works, read
 
@@ -324,8 +387,8 @@ class SharedSlots:
         works, tokens = self._announce(slot, tag)
 
         def add() -> None:  # rank q staged this rank's chunk r at r's place among q's peers
-            theirs = {q: self._read(q, token, (r - (r > q)) * size, output)
-                      for q, token in tokens.items()}
+            starts = {q: (r - (r > q)) * size for q in tokens}
+            theirs = {q: self._read(q, token, starts[q], output) for q, token in tokens.items()}
             if output.data_ptr() != chunks[r].data_ptr():
                 output.copy_(chunks[r])
             before = [theirs[q] for q in range(r)]
@@ -336,7 +399,7 @@ class SharedSlots:
                 output.add_(total)
             for q in range(r + 1, len(chunks)):
                 output.add_(theirs[q])
-            self._done(tokens)
+            self._done(tokens, starts, size)
 
         return works, add
 
@@ -385,7 +448,7 @@ def open_shared_slots(
             os.close(fd)
     if able and all(bool(vote.item()) for vote in votes.values()):
         pids = {q: int(token[0]) for q, token in theirs.items()}
-        return SharedSlots(link, pids, _Own(pipe, writers))
+        return SharedSlots(link, _Own(pipe, writers, pids))
     for fd in (pipe, *writers.values()):
         os.close(fd)
     return None

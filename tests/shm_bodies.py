@@ -122,6 +122,30 @@ def descriptors_body(comm: Comm, inputs: list[Tensor]) -> dict[str, Any]:
             "after": slot_descriptors(), "pipes_after": sum(t in pipes for t in open_files())}
 
 
+def slot_rss() -> int:
+    """Bytes of shared-memory slots (this rank's own and its peers') resident in this process:
+    the Rss of its ``memfd:fzero-slot`` mappings (``/proc/self/smaps``)."""
+    total, in_slot = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header line
+                in_slot = "memfd:fzero-slot" in line
+            elif in_slot and first == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def slot_rss_body(comm: Comm, inputs: list[Tensor]) -> dict[str, Any]:
+    """After an all-gather and a reduce-scatter through shared memory (every peer done
+    reading), which slot pages this rank still maps: its own slots, not its peers'."""
+    shm = forced()
+    cb.all_gather_body(shm, inputs)
+    cb.reduce_scatter_body(shm, inputs, "sum")
+    shm.barrier()
+    return {"rss": slot_rss(), **used(shm)}
+
+
 @contextlib.contextmanager
 def patched(module: Any, **values: Any) -> Iterator[None]:
     """Set attributes of `module` for the block; restore them after."""

@@ -4,6 +4,10 @@ against the pairwise transport (bitwise), on 2 and 3 ranks of one host."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
+import warnings
 from typing import Any
 
 import pytest
@@ -114,6 +118,42 @@ def test_ranks_that_cannot_share_memory_raise_together(
         assert "needs every rank of the group on one host" in res["error"]
         assert "transport='pairwise'" in res["error"]
         exact(res["all_gather"], torch.cat(inputs))
+
+
+def test_a_reader_unmaps_what_it_read_of_its_peers_slots(gloo_pool: Any) -> None:
+    """Each page of a slot is resident in its owner alone once read: a reader maps a peer's
+    slot only while it reads, so RSS counts the bytes in flight once, not once per rank."""
+    inputs = cb.make_inputs(2, 1_200_000, torch.float32)  # 4.8 MB per rank: a 5 MiB slot
+    for res in gloo_pool(2).run(shb.slot_rss_body, inputs):
+        assert res["slot_bytes"] >= 4_800_000
+        assert res["rss"] <= res["slot_bytes"]  # this rank's own slot; none of its peer's
+
+
+def test_dropped_slots_wait_for_live_peers_only() -> None:
+    """Dropped slots wait for a peer still to open one, and warn when that takes long; a peer
+    whose process has ended is not waited for."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    for pid, wait_s in ((ended.pid, 30.0), (os.getpid(), 1.0)):
+        pipe, write_end = os.pipe()
+        os.set_blocking(pipe, False)
+        own = fshm._Own(pipe, {}, {1: pid})
+        fd = fshm._new_memory(fshm.MIN_CHUNK_BYTES)
+        own.slots.append(fshm._Slot(0, fshm._map(fd, fshm.MIN_CHUNK_BYTES), fd))
+        own.slots[0].unread = {1}  # told rank 1 of it; rank 1 has not opened it
+        start = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with shb.patched(fshm, SLOW_RELEASE_S=0.2):
+                own.release(wait_s)
+        waited = time.monotonic() - start
+        os.close(write_end)
+        assert own.slots[0].fd == -1  # closed either way
+        if pid == ended.pid:
+            assert waited < 5.0 and not caught  # not 30 s
+        else:
+            assert waited >= wait_s
+            assert any("rank(s) [1]" in str(w.message) for w in caught)
 
 
 def test_memory_that_cannot_be_reserved_raises_with_the_fix(gloo_pool: Any) -> None:
