@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from fzero.bound import Binder, check_structure
 from fzero.buckets import Completion, Reducer
-from fzero.collect import SideStreams, Streams, all_gather_bucket
+from fzero.collect import Pending, SideStreams, Streams, all_gather_bucket
 from fzero.comm import Comm
 from fzero.consensus import Header, StepError, agree_header, exchange_statistics
 from fzero.flat import alias_leaves, all_finite, entry_views, shard_view, unflatten
@@ -850,10 +850,17 @@ def _update(
     return None if all(s == state.step + 1 for s in after) else tuple(after)
 
 
+PUBLISH_IN_FLIGHT = 2
+"""Stages 1-2 gather the updated parameters with at most this many buckets in flight: a
+transport that stages a chunk until its peers have read it (shared memory) then holds two
+buckets' chunks, not all Ψ/N; over TCP the window costs nothing measurable (see the README's
+performance notes)."""
+
+
 def _publish(state: ShardState, streams: SideStreams | None) -> None:
     """Make the compute-dtype parameters reflect the updated master copy."""
     comm = state.config.comm
-    pending = []
+    pending: list[Pending] = []
     for index, bucket in enumerate(state.layout.buckets):
         master = state.master[index]
         if master is None:
@@ -869,6 +876,8 @@ def _publish(state: ShardState, streams: SideStreams | None) -> None:
         else:  # the rank's chunk of params is its updated shard: gather in place if we may
             shard = shard_view(params, bucket, state.rank)
             shard = shard if comm.in_place else shard.clone()
+        if len(pending) == PUBLISH_IN_FLIGHT:
+            pending.pop(0).wait()
         pending.append(all_gather_bucket(comm, bucket, shard, out=params, streams=streams))
     for handle in pending:
         handle.wait()

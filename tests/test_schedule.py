@@ -31,6 +31,7 @@ from fzero.schedule import (
 )
 
 import step_bodies as sb
+from models import TinyGPT
 
 buckets = st.integers(0, 6)
 sequences = st.lists(buckets, max_size=12)
@@ -258,6 +259,25 @@ def test_no_flat_gradient_buffer_outlives_its_step(stage: int, gloo_pool: Any) -
     assert alive == (0, 0) and launched == (3 * 4, 3 * 4)  # 3 steps, 4 trainable buckets
 
 
+class Unfinished:
+    """A collective's `Pending` that completes only when waited for, as a slow transport's
+    would: records whether it was."""
+
+    def __init__(self, pending: Any) -> None:
+        self.pending, self.waited = pending, False
+
+    def wait(self) -> Any:
+        self.waited = True
+        return self.pending.wait()
+
+    def wait_host(self) -> None:
+        self.waited = True
+        self.pending.wait_host()
+
+    def is_completed(self) -> bool:
+        return self.waited
+
+
 def test_stage1_reducer_settles_each_reduction_before_launching_the_next(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -268,21 +288,6 @@ def test_stage1_reducer_settles_each_reduction_before_launching_the_next(
     live: dict[int, list[Any]] = {0: [], 1: []}
     outstanding: dict[int, list[int]] = {0: [], 1: []}  # per rank, unsettled at each launch
     real = fzero.buckets.reduce_scatter_bucket
-
-    class Unfinished:  # completes only when waited for, as a slow transport's would
-        def __init__(self, pending: Any) -> None:
-            self.pending, self.waited = pending, False
-
-        def wait(self) -> Any:
-            self.waited = True
-            return self.pending.wait()
-
-        def wait_host(self) -> None:
-            self.waited = True
-            self.pending.wait_host()
-
-        def is_completed(self) -> bool:
-            return self.waited
 
     def logged(comm: Any, bucket: Any, flat: torch.Tensor, **kwargs: Any) -> Any:
         outstanding[comm.rank].append(sum(not p.waited for p in live[comm.rank]))
@@ -306,3 +311,34 @@ def test_stage1_reducer_settles_each_reduction_before_launching_the_next(
     assert rank0 == [[0.5] * 2, [1.5] * 2, [2.5] * 2]
     assert rank1 == [[0.5] * 2, [1.5] * 2, [2.5] * 2]
     assert outstanding == {0: [0, 0, 0], 1: [0, 0, 0]}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_2_publish_with_a_bounded_window(
+    monkeypatch: pytest.MonkeyPatch, stage: int
+) -> None:
+    """After the optimizer step, stages 1-2 all-gather every updated bucket. A transport that
+    stages each chunk until its peers have read it (shared memory) held Ψ/N for the whole
+    publish when all were issued before any was waited: at most `PUBLISH_IN_FLIGHT` are in
+    flight at each launch, and the parameters are those of the unwindowed run."""
+    live: dict[int, list[Unfinished]] = {0: [], 1: []}
+    outstanding: dict[int, list[int]] = {0: [], 1: []}
+    real = fzero.step.all_gather_bucket
+
+    def logged(comm: Any, bucket: Any, shard: torch.Tensor, **kwargs: Any) -> Any:
+        outstanding[comm.rank].append(sum(not p.waited for p in live[comm.rank]))
+        live[comm.rank].append(Unfinished(real(comm, bucket, shard, **kwargs)))
+        return live[comm.rank][-1]
+
+    model = TinyGPT(n_layer=3)
+    batches = [TinyGPT.make_batch(seed, 4) for seed in range(2)]
+    expected = fzero.SimWorld(2).run(sb.train_body, model, batches, 2, stage=stage)
+    monkeypatch.setattr(fzero.step, "all_gather_bucket", logged)
+    got = fzero.SimWorld(2).run(sb.train_body, model, batches, 2, stage=stage)
+    buckets = len(got[0]["layout"].buckets)
+    for rank in (0, 1):
+        assert len(outstanding[rank]) >= 2 * buckets  # every bucket, each step
+        assert max(outstanding[rank]) == fzero.step.PUBLISH_IN_FLIGHT - 1  # + the new one
+        assert got[rank]["losses"] == expected[rank]["losses"]
+        for name, value in expected[rank]["params"].items():
+            torch.testing.assert_close(got[rank]["params"][name], value, rtol=0, atol=0)
