@@ -9,9 +9,9 @@ a four-number message over gloo (a *token*: which slot, how large, how to open i
 receiver where it is, each receiver reads it straight out (an all-gather copies its chunk into
 place, a reduce-scatter sums it in rank order), then writes a *done* record into the sender's
 pipe, which frees the slot. Per byte this takes less CPU time than the pairwise TCP exchange,
-but a collective's data sits in a slot from its issue until every peer has read it, and both
-the writer and its readers map those pages (each counts them in its RSS): the README's tables
-give both sides.
+but a collective's data sits in a slot from its issue until every peer has read it: a rank
+holds the slots of the collectives it has in flight (a reader unmaps what it read, so each
+page counts in its owner's RSS alone). The README's tables give both sides.
 
 [Note: slots]
 A rank writes only into its own slots and reads only its peers'. A slot holds one collective's

@@ -115,11 +115,11 @@ class TorchComm(CommBase):
       copies its data into a slot its peers have mapped, and small tokens over gloo say where
       and when; a reduce-scatter sums straight from the peers' slots, in the same order and to
       the same bits as pairwise. Faster (less CPU per byte), but each collective in flight
-      holds a slot of its own data, and readers map their peers' slots: the bytes in flight
-      count in RSS twice (stages 1-2 publish every bucket at once: Ψ/N per rank more at the
-      peak). At the first such collective the ranks test, together, that every rank can map
-      every other's memory; if any cannot (several hosts, another container's pid namespace)
-      every rank raises.
+      holds a slot of its own data until every peer has read it (a reader unmaps what it
+      read, so a slot counts in its owner's RSS alone): a few buckets' chunks per rank.
+      At the first such collective the ranks test, together, that every rank can map every
+      other's memory; if any cannot (several hosts, another container's pid namespace) every
+      rank raises.
 
     Every transport works in place (`in_place`) except "single".
 
