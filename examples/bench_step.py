@@ -2,6 +2,7 @@
 
     python examples/bench_step.py --nproc 2 --size small                # every row, 2 rounds
     python examples/bench_step.py --nproc 2 --size 30m --rows ddp,fzero_1 --rounds 3
+    python examples/bench_step.py --nproc 2 --size 30m --paired   # per-step ratios, one process set
     torchrun --standalone --nproc-per-node 2 examples/bench_step.py --size small   # the same
 
 Rows: DDP + torch.optim.AdamW; DDP + ZeroRedundancyOptimizer(AdamW); FSDP2 (`fully_shard` per
@@ -25,6 +26,13 @@ time in one round is the median over ``--steps`` timed steps after ``--warmup``;
 ``--rounds`` times, interleaved (every row, then every row again), and the table gives the
 median of the round medians and their spread (min–max), so slow drifts of the machine hit every
 row alike. Under torchrun only rank 0 drives; the others exit at once.
+
+With ``--paired``, each round runs every row in *one* set of processes instead, one step of
+each row in turn (who goes first rotates), and reports each row's median per-step ratio to DDP,
+ZeroRedundancyOptimizer and FSDP2 (each step over the reference row's step of the same turn)
+with its quartiles: on a machine whose speed drifts within seconds, neighbouring steps see the
+same machine, so the ratios are steadier than ratios of separate runs. There are no memory
+columns (the rows share the processes) and no DeepSpeed rows.
 
 fzero's rows build the module on ``meta`` and let `fzero.init` materialize it one bucket at a
 time (``init_fn=``, sharded init: no full copy of the weights beside the state; fzero calls the
@@ -382,7 +390,8 @@ def worker(rank: int, spec: dict) -> None:
         timeout=timedelta(seconds=spec["timeout"]),
     )
     try:
-        result = run_rank(rank, spec, device, use_cuda)
+        run = run_paired if spec.get("paired") else run_rank
+        result = run(rank, spec, device, use_cuda)
         with open(f"{spec['rdzv']}.{rank}.json", "w") as f:
             json.dump(result, f)
     finally:
@@ -392,14 +401,11 @@ def worker(rank: int, spec: dict) -> None:
         dist.destroy_process_group()
 
 
-def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dict:
-    row, world, steps, warmup = spec["row"], spec["world"], spec["steps"], spec["warmup"]
+def build_row(row: str, spec: dict, device: torch.device, rank: int):
+    """Row `row`'s trainer on this rank: ``(step, state_bytes, nocomm)`` (`nocomm`: the no-op
+    comm of a t_compute row, else None)."""
     cfg, batch = SIZES[spec["size"]]
-    batch = spec.get("batch") or batch  # global batch, in sequences
-    # The first random init on the meta device imports ~830 modules of torch (+70 MiB): every
-    # row pays it up front, so the rows that build on meta (fzero's) are not charged alone.
-    nn.init.normal_(torch.empty(1, device="meta"))
-    rss_before = fzero.memory.rss_bytes() / 2**20
+    batch, world = spec.get("batch") or batch, spec["world"]
     if row.startswith("fzero_") and not row.endswith(COMPUTE):
         with torch.device("meta"):
             model = GPT(cfg, seed=0)
@@ -418,6 +424,46 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
         step, state_bytes = build_fzero(model, stage, comm, spec.get("buckets"))
     else:
         step, state_bytes = build_deepspeed(model, int(row[-1]), batch // world)
+    return step, state_bytes, nocomm
+
+
+def run_paired(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dict:
+    """Every row of ``spec["paired"]`` in these processes, one step of each in turn (who goes
+    first rotates), so that neighbouring steps of two rows see the same machine: per row, the
+    step times (index i of every row is the same turn) and the last loss."""
+    rows, world = spec["paired"], spec["world"]
+    cfg, batch = SIZES[spec["size"]]
+    batch = spec.get("batch") or batch
+    nn.init.normal_(torch.empty(1, device="meta"))  # as run_rank: the same imports up front
+    steps = {row: build_row(row, spec, device, rank)[0] for row in rows}
+    batches = make_batches(cfg, batch, spec["warmup"] + spec["steps"], rank, world, device)
+    times: dict[str, list[float]] = {row: [] for row in rows}
+    losses: dict[str, float] = {}
+    for i, b in enumerate(batches):
+        for row in rows[i % len(rows):] + rows[: i % len(rows)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = steps[row](b)
+            if use_cuda:
+                torch.cuda.synchronize()
+            if i >= spec["warmup"]:
+                times[row].append(time.perf_counter() - t0)
+            losses[row] = float(loss)
+    last = torch.tensor([losses[row] for row in rows], dtype=torch.float64)
+    dist.all_reduce(last)  # per row, the global batch's mean loss
+    return {"paired": {row: {"times": times[row], "loss": last[k].item() / world}
+                       for k, row in enumerate(rows)}}
+
+
+def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dict:
+    row, world, steps, warmup = spec["row"], spec["world"], spec["steps"], spec["warmup"]
+    cfg, batch = SIZES[spec["size"]]
+    batch = spec.get("batch") or batch  # global batch, in sequences
+    # The first random init on the meta device imports ~830 modules of torch (+70 MiB): every
+    # row pays it up front, so the rows that build on meta (fzero's) are not charged alone.
+    nn.init.normal_(torch.empty(1, device="meta"))
+    rss_before = fzero.memory.rss_bytes() / 2**20
+    step, state_bytes, nocomm = build_row(row, spec, device, rank)
     batches = make_batches(cfg, batch, warmup + steps, rank, world, device)
     profile = cProfile.Profile() if spec["profile"] and rank == 0 else None
     times, losses = [], []
@@ -474,22 +520,30 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
 # The driver
 
 
-def run_row(row: str, args: argparse.Namespace, tmp: str) -> dict:
-    """One row in fresh processes; its ranks' results, per-step times (the slowest rank's)."""
+def spawn_ranks(row: str, args: argparse.Namespace, tmp: str, **extra) -> list[dict] | str:
+    """Run `worker` for `row` in ``--nproc`` fresh processes: each rank's result, or the error."""
     rdzv = os.path.join(tmp, f"{row.replace('/', '.')}.{time.monotonic_ns()}")
     spec = dict(row=row, size=args.size, world=args.nproc, steps=args.steps,
                 warmup=args.warmup, rdzv=rdzv, timeout=args.timeout, profile=args.profile,
                 batch=getattr(args, "batch", None), threads=getattr(args, "threads", None),
-                buckets=getattr(args, "buckets", None))
+                buckets=getattr(args, "buckets", None), **extra)
     try:
         mp.spawn(worker, args=(spec,), nprocs=args.nproc, join=True)
     except Exception as e:  # a failed row is reported, the others still run
         msg = [line for line in str(e).strip().splitlines() if line.strip()]
-        return {"error": msg[-1] if msg else type(e).__name__}
+        return msg[-1] if msg else type(e).__name__
     ranks = []
     for r in range(args.nproc):
         with open(f"{rdzv}.{r}.json") as f:
             ranks.append(json.load(f))
+    return ranks
+
+
+def run_row(row: str, args: argparse.Namespace, tmp: str) -> dict:
+    """One row in fresh processes; its ranks' results, per-step times (the slowest rank's)."""
+    ranks = spawn_ranks(row, args, tmp)
+    if isinstance(ranks, str):
+        return {"error": ranks}
     per_step = [max(ts) for ts in zip(*(r["times"] for r in ranks), strict=True)]  # slowest rank
     out = {"ranks": ranks, "per_step": per_step, "median": statistics.median(per_step)}
     out["cpu_per_step"] = sum(r["cpu_seconds"] for r in ranks) / len(per_step)
@@ -501,6 +555,52 @@ def run_row(row: str, args: argparse.Namespace, tmp: str) -> dict:
         comm = [max(ts) for ts in zip(*(r["comm_times"] for r in ranks), strict=True)]
         out["comm_median"] = statistics.median(comm)
     return out
+
+
+def run_paired_rounds(rows: list[str], args: argparse.Namespace, tmp: str) -> dict:
+    """``--paired``: every round, all `rows` in one fresh set of processes, a step of each in
+    turn. Per row: every step's time (the slowest rank's), the ratio of each step to the
+    neighbouring step of every other row, and the last loss."""
+    times: dict[str, list[float]] = {row: [] for row in rows}
+    losses: dict[str, float] = {}
+    for rnd in range(args.rounds):
+        t0 = time.perf_counter()
+        ranks = spawn_ranks("paired", args, tmp, paired=rows)
+        if isinstance(ranks, str):
+            raise SystemExit(f"paired round {rnd + 1} failed: {ranks}")
+        for row in rows:
+            per_rank = [r["paired"][row]["times"] for r in ranks]
+            times[row] += [max(ts) for ts in zip(*per_rank, strict=True)]
+            losses[row] = ranks[0]["paired"][row]["loss"]
+        print(f"  round {rnd + 1}: " + ", ".join(
+            f"{LABELS[row]} {fmt_ms(statistics.median(times[row][-args.steps:]))} ms"
+            for row in rows) + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return {"times": times, "losses": losses}
+
+
+def print_paired(rows: list[str], paired: dict) -> None:
+    """The ``--paired`` table: median step times, and each row's median per-step ratio to the
+    reference rows (with the quartiles of those ratios)."""
+    times, bases = paired["times"], [b for b in ("ddp", "ddp_zero", "fsdp2") if b in rows]
+
+    def ratio(row: str, base: str) -> str:
+        if row == base:
+            return "1.00"
+        q1, q2, q3 = statistics.quantiles(
+            [t / u for t, u in zip(times[row], times[base], strict=True)], n=4)
+        return f"{q2:.2f} ({q1:.2f}–{q3:.2f})"
+
+    heads = {"ddp": "vs DDP", "ddp_zero": "vs ZeRO-opt", "fsdp2": "vs FSDP2"}
+    print("\n| trainer | step ms (median) | " + " | ".join(
+        f"{heads[b]}: median per-step ratio (quartiles)" for b in bases) + " | last loss |")
+    print("|---|---:|" + "---:|" * len(bases) + "---:|")
+    for row in rows:
+        print(f"| {LABELS[row]} | {fmt_ms(statistics.median(times[row]))} | "
+              + " | ".join(ratio(row, b) for b in bases)
+              + f" | {paired['losses'][row]:.4f} |")
+    print(f"Each step of a row is divided by the step of the reference row in the same turn "
+          f"({len(times[rows[0]])} turns); every turn runs one step of every row in these "
+          f"processes, so a slow spell of the machine hits both sides of a ratio.")
 
 
 def wait_until_quiet(args: argparse.Namespace) -> float | None:
@@ -580,6 +680,9 @@ def main() -> None:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="write a cProfile of rank 0's timed steps per row to DIR")
     ap.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
+    ap.add_argument("--paired", action="store_true",
+                    help="run the rows in one set of processes, one step of each in turn, and "
+                         "report per-step ratios (no memory columns; no DeepSpeed rows)")
     ap.add_argument("--buckets", type=int, default=None, metavar="ELEMENTS",
                     help="fzero rows: buckets=ELEMENTS (size-capped buckets) instead of the "
                          "default policy (one bucket per block, small blocks merged)")
@@ -612,7 +715,11 @@ def main() -> None:
     if torch.cuda.is_available():
         skipped.update({r: "the shared-memory transport is gloo's (CPU)" for r in SHM_ROWS})
     runs = [r for r in rows if r not in skipped]
-    if not args.no_overlap:
+    if args.paired:
+        runs = [r for r in runs if r not in DEEPSPEED_ROWS]
+        if len(runs) < 2 or args.steps < 2:
+            raise SystemExit("--paired needs two or more torch or fzero rows and --steps >= 2")
+    elif not args.no_overlap:
         runs += [r + COMPUTE for r in rows if r in FZERO_ROWS]
 
     psi = num_params(GPT(cfg))
@@ -636,6 +743,10 @@ def main() -> None:
         + "\n"
     )
 
+    if args.paired:
+        with tempfile.TemporaryDirectory() as tmp:
+            print_paired(runs, run_paired_rounds(runs, args, tmp))
+        return
     per_round: dict[str, list[dict]] = {r: [] for r in runs}
     with tempfile.TemporaryDirectory() as tmp:
         rnd, todo = 0, runs
