@@ -256,7 +256,6 @@ class _Own:
             slot.fd = -1
         self.writers.clear()
 
-
     def _waited_for(self) -> set[int]:
         """Live peers that have yet to open a slot of this rank's (dead ones are forgotten)."""
         waited = set().union(*(slot.unread for slot in self.slots if slot.fd >= 0))

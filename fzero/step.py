@@ -74,6 +74,11 @@ BUFFER_POLICIES = ("broadcast", "local")
 REDUCE_PATIENCE = 2.0
 """Stage 3: the most seconds a bucket's reduction waits for the previous one inside backward
 (see `fzero.buckets.Reducer`: four times the typical reduction time, at most this)."""
+PUBLISH_IN_FLIGHT = 2
+"""Stages 1-2 gather the updated parameters with at most this many buckets in flight: a
+transport that stages a chunk until its peers have read it (shared memory) then holds two
+buckets' chunks, not all Ψ/N; over TCP the window costs nothing measurable (see the README's
+performance notes)."""
 _CONTROL = "control"
 _GATHER = "stage3.gather"
 
@@ -848,13 +853,6 @@ def _update(
         used=used, lr=lr,
     )
     return None if all(s == state.step + 1 for s in after) else tuple(after)
-
-
-PUBLISH_IN_FLIGHT = 2
-"""Stages 1-2 gather the updated parameters with at most this many buckets in flight: a
-transport that stages a chunk until its peers have read it (shared memory) then holds two
-buckets' chunks, not all Ψ/N; over TCP the window costs nothing measurable (see the README's
-performance notes)."""
 
 
 def _publish(state: ShardState, streams: SideStreams | None) -> None:
