@@ -401,11 +401,17 @@ def worker(rank: int, spec: dict) -> None:
         dist.destroy_process_group()
 
 
+def model_and_batch(spec: dict) -> tuple[GPTConfig, int]:
+    """The row's model config and global batch (in sequences): the size's, or ``spec["batch"]``."""
+    cfg, batch = SIZES[spec["size"]]
+    return cfg, spec.get("batch") or batch
+
+
 def build_row(row: str, spec: dict, device: torch.device, rank: int):
     """Row `row`'s trainer on this rank: ``(step, state_bytes, nocomm)`` (`nocomm`: the no-op
     comm of a t_compute row, else None)."""
-    cfg, batch = SIZES[spec["size"]]
-    batch, world = spec.get("batch") or batch, spec["world"]
+    cfg, batch = model_and_batch(spec)
+    world = spec["world"]
     if row.startswith("fzero_") and not row.endswith(COMPUTE):
         with torch.device("meta"):
             model = GPT(cfg, seed=0)
@@ -432,8 +438,7 @@ def run_paired(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> d
     first rotates), so that neighbouring steps of two rows see the same machine: per row, the
     step times (index i of every row is the same turn) and the last loss."""
     rows, world = spec["paired"], spec["world"]
-    cfg, batch = SIZES[spec["size"]]
-    batch = spec.get("batch") or batch
+    cfg, batch = model_and_batch(spec)
     nn.init.normal_(torch.empty(1, device="meta"))  # as run_rank: the same imports up front
     steps = {row: build_row(row, spec, device, rank)[0] for row in rows}
     batches = make_batches(cfg, batch, spec["warmup"] + spec["steps"], rank, world, device)
@@ -457,8 +462,7 @@ def run_paired(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> d
 
 def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dict:
     row, world, steps, warmup = spec["row"], spec["world"], spec["steps"], spec["warmup"]
-    cfg, batch = SIZES[spec["size"]]
-    batch = spec.get("batch") or batch  # global batch, in sequences
+    cfg, batch = model_and_batch(spec)
     # The first random init on the meta device imports ~830 modules of torch (+70 MiB): every
     # row pays it up front, so the rows that build on meta (fzero's) are not charged alone.
     nn.init.normal_(torch.empty(1, device="meta"))
