@@ -48,7 +48,13 @@ from fzero.comm import Comm
 from fzero.consensus import Header, StepError, agree_header, exchange_statistics
 from fzero.flat import alias_leaves, all_finite, entry_views, shard_view, unflatten
 from fzero.optim import Schedule, clip_coefficient
-from fzero.residency import PeerFailed, Residency, backward_under_guard, trigger_modules
+from fzero.residency import (
+    PeerFailed,
+    Residency,
+    backward_under_guard,
+    trigger_modules,
+    unguarded,
+)
 from fzero.schedule import ABORTED, DONE, FAILED, BucketOrder, reduce_order
 from fzero.state import (
     Lease,
@@ -581,15 +587,13 @@ class _ShardedSession:
                                    reduce_order(state.trainable, order.forward),
                                    mode="scatter_leaves", streams=self.streams,
                                    patience=REDUCE_PATIENCE)
-        self.completion = Completion(layout, self.leaves, self._on_complete)
+        self.completion = Completion(layout, self.leaves, unguarded(self._on_complete))
         self.aborted = False
         self.phase: str | None = None  # the phase under way on this rank
         self.hooks = contextlib.ExitStack()
         self.hooks.enter_context(self.residency.module_hooks(self.triggers))
-        self.hooks.enter_context(self.residency.guard(model))
         if train:
-            self.hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(
-                self.residency.pack, self.residency.unpack))
+            self.hooks.enter_context(self.residency.saved_tensors_hooks())
 
     @property
     def order(self) -> BucketOrder:
@@ -608,7 +612,8 @@ class _ShardedSession:
         self.phase = "forward"
         self.residency.begin("forward")
         try:
-            return fn(model.__call__, micro)
+            with self.residency.guard(model):
+                return fn(model.__call__, micro)
         except RuntimeError as error:
             raise self.residency.explain(error, model) from error
 
@@ -633,7 +638,8 @@ class _ShardedSession:
         for index in self.state.trainable:
             if index not in touched:  # never gathered: no leaf of it is in the graph
                 self.completion.force(index)
-        backward_under_guard(loss * factor)
+        with self.residency.guard(model):
+            backward_under_guard(loss * factor)
         self._end_backward(DONE)
         return loss.detach()
 

@@ -160,3 +160,52 @@ def test_a_kept_bucket_read_first_by_the_guard_counts_as_its_use() -> None:
     first, *later = sent
     assert len(set(later)) == 1, sent
     assert later[0][0] < first[0]  # the bias is not gathered again in backward
+
+
+def guarded_calls_body(comm: fzero.Comm, model: nn.Module, steps: int) -> list[tuple[str, str]]:
+    """Train `steps` stage 3 steps with the guard's handler wrapped to record, for every torch
+    function it sees, the function's name and the file of the code that called it (the first
+    frame outside torch's own Python code)."""
+    import sys
+    from pathlib import Path
+
+    import fzero.residency as residency
+
+    torch_dir = str(Path(torch.__file__).parent)
+    seen: list[tuple[str, str]] = []
+    handler = residency._Guard.__torch_function__
+
+    def recording(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+            frame = frame.f_back
+        caller = frame.f_code.co_filename if frame is not None else "?"
+        seen.append((getattr(func, "__name__", repr(func)), caller))
+        return handler(self, func, types, args, kwargs)
+
+    state = fzero.init(model, stage=3, optimizer=fzero.optim.adamw(lr=1e-2), comm=comm,
+                       buckets=gb.each_parameter_alone(model))
+    step = fzero.make_train_step(model, gb.mse_loss)
+    residency._Guard.__torch_function__ = recording
+    try:
+        for batch in square(steps):
+            state, _ = step(state, batch)
+    finally:
+        residency._Guard.__torch_function__ = handler
+    return seen
+
+
+def test_the_guard_sees_the_users_calls_not_fzeros() -> None:
+    """The guard (a torch function mode: a Python round trip per torch call) is active through
+    the user's forward and backward only, and fzero's own hooks inside them (gathering,
+    unpacking saved parameters, launching reductions) bypass it: of the calls it sees, those
+    made from fzero's code are only the two that start backward. Through the guard, fzero's
+    hooks made 680 of the 775 calls of a step of the 1.8M-parameter GPT (8% of its time)."""
+    import os
+
+    fzero_dir = os.path.dirname(fzero.__file__)
+    seen = fzero.SimWorld(2).run(guarded_calls_body, gb.RootReadsChild(read="matmul"), 2)[0]
+    from_fzero = sorted({name for name, caller in seen if caller.startswith(fzero_dir)})
+    from_user = [name for name, caller in seen if not caller.startswith(fzero_dir)]
+    assert from_fzero == ["mul", "ones_like"], from_fzero  # loss * factor, backward's seed
+    assert "matmul" in from_user  # the root's read of its child's weight is seen
