@@ -35,7 +35,10 @@ a torch function given a parameter of a released bucket first gathers that bucke
 like any other, so every rank's collectives still agree). A released bucket's storage has zero
 bytes and torch does not check every read of it: without the guard such a read would return
 garbage or crash. A read the guard cannot see (a view taken earlier and kept) raises
-`OutsideOwnerError`, naming the module and the candidates, instead of torch's message.
+`OutsideOwnerError`, naming the module and the candidates, instead of torch's message. The mode
+costs a Python round trip per torch call, so it is entered around the user's forward and
+backward only, and fzero's own hooks inside them (module hooks, saved-tensor hooks, the gradient
+hooks that launch reductions) run `unguarded`: they read parameters knowingly.
 """
 
 from __future__ import annotations

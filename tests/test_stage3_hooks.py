@@ -162,16 +162,32 @@ def test_a_kept_bucket_read_first_by_the_guard_counts_as_its_use() -> None:
     assert later[0][0] < first[0]  # the bias is not gathered again in backward
 
 
-def guarded_calls_body(comm: fzero.Comm, model: nn.Module, steps: int) -> list[tuple[str, str]]:
-    """Train `steps` stage 3 steps with the guard's handler wrapped to record, for every torch
-    function it sees, the function's name and the file of the code that called it (the first
-    frame outside torch's own Python code)."""
+def train_stage3_body(comm: fzero.Comm, model: nn.Module, steps: int) -> None:
+    state = fzero.init(model, stage=3, optimizer=fzero.optim.adamw(lr=1e-2), comm=comm,
+                       buckets=gb.each_parameter_alone(model))
+    step = fzero.make_train_step(model, gb.mse_loss)
+    for batch in square(steps):
+        state, _ = step(state, batch)
+
+
+def test_the_guard_sees_the_users_calls_not_fzeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard (a torch function mode: a Python round trip per torch call) is active through
+    the user's forward and backward only, and fzero's own hooks inside them (gathering,
+    unpacking saved parameters, launching reductions) bypass it: of the calls it sees, those
+    made from fzero's code are only the two that start backward. Through the guard, fzero's
+    hooks made 680 of the 775 calls of a step of the 1.8M-parameter GPT (8% of its time).
+
+    The guard's handler is wrapped (once, for both ranks' threads) to record each torch
+    function it sees and the file of the code that called it: the first frame outside torch's
+    own Python code."""
+    import os
     import sys
     from pathlib import Path
 
     import fzero.residency as residency
 
     torch_dir = str(Path(torch.__file__).parent)
+    fzero_dir = os.path.dirname(fzero.__file__)
     seen: list[tuple[str, str]] = []
     handler = residency._Guard.__torch_function__
 
@@ -183,28 +199,8 @@ def guarded_calls_body(comm: fzero.Comm, model: nn.Module, steps: int) -> list[t
         seen.append((getattr(func, "__name__", repr(func)), caller))
         return handler(self, func, types, args, kwargs)
 
-    state = fzero.init(model, stage=3, optimizer=fzero.optim.adamw(lr=1e-2), comm=comm,
-                       buckets=gb.each_parameter_alone(model))
-    step = fzero.make_train_step(model, gb.mse_loss)
-    residency._Guard.__torch_function__ = recording
-    try:
-        for batch in square(steps):
-            state, _ = step(state, batch)
-    finally:
-        residency._Guard.__torch_function__ = handler
-    return seen
-
-
-def test_the_guard_sees_the_users_calls_not_fzeros() -> None:
-    """The guard (a torch function mode: a Python round trip per torch call) is active through
-    the user's forward and backward only, and fzero's own hooks inside them (gathering,
-    unpacking saved parameters, launching reductions) bypass it: of the calls it sees, those
-    made from fzero's code are only the two that start backward. Through the guard, fzero's
-    hooks made 680 of the 775 calls of a step of the 1.8M-parameter GPT (8% of its time)."""
-    import os
-
-    fzero_dir = os.path.dirname(fzero.__file__)
-    seen = fzero.SimWorld(2).run(guarded_calls_body, gb.RootReadsChild(read="matmul"), 2)[0]
+    monkeypatch.setattr(residency._Guard, "__torch_function__", recording)
+    fzero.SimWorld(2).run(train_stage3_body, gb.RootReadsChild(read="matmul"), 2)
     from_fzero = sorted({name for name, caller in seen if caller.startswith(fzero_dir)})
     from_user = [name for name, caller in seen if not caller.startswith(fzero_dir)]
     assert from_fzero == ["mul", "ones_like"], from_fzero  # loss * factor, backward's seed
