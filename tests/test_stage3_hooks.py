@@ -9,6 +9,8 @@ cannot trace back, raises `fzero.OutsideOwnerError`.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 import fzero
+import fzero.residency as residency
 
 import guarantee_bodies as gb
 
@@ -162,14 +165,6 @@ def test_a_kept_bucket_read_first_by_the_guard_counts_as_its_use() -> None:
     assert later[0][0] < first[0]  # the bias is not gathered again in backward
 
 
-def train_stage3_body(comm: fzero.Comm, model: nn.Module, steps: int) -> None:
-    state = fzero.init(model, stage=3, optimizer=fzero.optim.adamw(lr=1e-2), comm=comm,
-                       buckets=gb.each_parameter_alone(model))
-    step = fzero.make_train_step(model, gb.mse_loss)
-    for batch in square(steps):
-        state, _ = step(state, batch)
-
-
 def test_the_guard_sees_the_users_calls_not_fzeros(monkeypatch: pytest.MonkeyPatch) -> None:
     """The guard (a torch function mode: a Python round trip per torch call) is active through
     the user's forward and backward only, and fzero's own hooks inside them (gathering,
@@ -180,14 +175,8 @@ def test_the_guard_sees_the_users_calls_not_fzeros(monkeypatch: pytest.MonkeyPat
     The guard's handler is wrapped (once, for both ranks' threads) to record each torch
     function it sees and the file of the code that called it: the first frame outside torch's
     own Python code."""
-    import os
-    import sys
-    from pathlib import Path
-
-    import fzero.residency as residency
-
     torch_dir = str(Path(torch.__file__).parent)
-    fzero_dir = os.path.dirname(fzero.__file__)
+    fzero_dir = str(Path(fzero.__file__).parent)
     seen: list[tuple[str, str]] = []
     handler = residency._Guard.__torch_function__
 
@@ -200,7 +189,9 @@ def test_the_guard_sees_the_users_calls_not_fzeros(monkeypatch: pytest.MonkeyPat
         return handler(self, func, types, args, kwargs)
 
     monkeypatch.setattr(residency._Guard, "__torch_function__", recording)
-    fzero.SimWorld(2).run(train_stage3_body, gb.RootReadsChild(read="matmul"), 2)
+    model = gb.RootReadsChild(read="matmul")
+    fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, square(2), stage=3,
+                          buckets=gb.each_parameter_alone(model))
     from_fzero = sorted({name for name, caller in seen if caller.startswith(fzero_dir)})
     from_user = [name for name, caller in seen if not caller.startswith(fzero_dir)]
     assert from_fzero == ["mul", "ones_like"], from_fzero  # loss * factor, backward's seed
