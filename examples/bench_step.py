@@ -426,7 +426,7 @@ def build_row(row: str, spec: dict, device: torch.device, rank: int):
         stage = int(row[len("fzero_")])
         comm = fzero.TorchComm(transport="shm" if row in SHM_ROWS else None)
         if row.endswith(COMPUTE):  # the same step, communication replaced by no-ops
-            comm = nocomm = NoComm(rank, world)
+            comm = nocomm = NoComm(rank, world, device=device)
         step, state_bytes = build_fzero(model, stage, comm, spec.get("buckets"))
     else:
         step, state_bytes = build_deepspeed(model, int(row[-1]), batch // world)
@@ -454,7 +454,7 @@ def run_paired(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> d
             if i >= spec["warmup"]:
                 times[row].append(time.perf_counter() - t0)
             losses[row] = float(loss)
-    last = torch.tensor([losses[row] for row in rows], dtype=torch.float64)
+    last = torch.tensor([losses[row] for row in rows], dtype=torch.float64, device=device)
     dist.all_reduce(last)  # per row, the global batch's mean loss
     return {"paired": {row: {"times": times[row], "loss": last[k].item() / world}
                        for k, row in enumerate(rows)}}
@@ -493,7 +493,7 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
     if profile is not None:
         profile.disable()
         profile.dump_stats(os.path.join(spec["profile"], f"{row.replace('/', '.')}.prof"))
-    last = torch.tensor([losses[-1]], dtype=torch.float64)
+    last = torch.tensor([losses[-1]], dtype=torch.float64, device=device)  # NCCL: on the GPU
     dist.all_reduce(last)  # the global batch's mean loss: the mean of the ranks' means
     result = {
         "times": times,

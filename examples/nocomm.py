@@ -61,13 +61,17 @@ class NoComm(CommBase):
         rank: this rank, in ``range(world_size)``.
         world_size: N, the world size the step is planned and accounted for.
         log: the list every collective (of this comm and its channels) is appended to.
+        device: where states built over this comm live (a real comm's ``device``: the GPU for
+            NCCL); the CPU by default.
     """
 
     in_place = True  # as fzero's gloo transport: in-place reduce-scatter and all-gather
 
-    def __init__(self, rank: int, world_size: int, log: list[Issued] | None = None) -> None:
+    def __init__(self, rank: int, world_size: int, log: list[Issued] | None = None,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__(rank, world_size)
         self.log: list[Issued] = [] if log is None else log
+        self.device = torch.device(device)
 
     def _record(self, kind: str, big: Tensor, small: Tensor, op: str | None,
                 async_op: bool) -> Work | None:
@@ -76,7 +80,8 @@ class NoComm(CommBase):
         return _Done() if async_op else None
 
     def _open_channel(self, name: str, host: bool) -> NoComm:
-        return NoComm(self.rank, self.world_size, log=self.log)
+        return NoComm(self.rank, self.world_size, log=self.log,
+                      device="cpu" if host else self.device)
 
     def _all_gather(self, output: Tensor, input: Tensor, async_op: bool) -> Work | None:
         n, s = self.world_size, input.numel()
@@ -124,11 +129,11 @@ def replay(comm: CommBase, log: list[Issued]) -> float:
     collective: every rank must replay the same log.
     """
     channels = open_channels(comm, log)
-    device = getattr(comm, "device", torch.device("cpu"))
     buffers: dict[tuple, tuple[Tensor, Tensor]] = {}
     for issued in log:
         key = (issued.channel, issued.kind, issued.numel, issued.small, issued.dtype)
         if key not in buffers:
+            device = getattr(channels[issued.channel], "device", "cpu")  # host channels: CPU
             big = torch.zeros(issued.numel, dtype=issued.dtype, device=device)
             small = big if issued.small == issued.numel else torch.zeros(
                 issued.small, dtype=issued.dtype, device=device)

@@ -232,17 +232,19 @@ def zero_theory(psi: int, world: int, stage: int, param_bytes: int, accum_steps:
 
 
 @torch.no_grad()
-def generate(call, prompt: str, n_new: int, seq_len: int, temperature: float, seed: int) -> str:
-    """Sample ``n_new`` bytes after ``prompt``; temperature 0 is greedy."""
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.tensor([list(prompt.encode())])  # (1, T0)
+def generate(call, prompt: str, n_new: int, seq_len: int, temperature: float, seed: int,
+             device: torch.device) -> str:
+    """Sample ``n_new`` bytes after ``prompt`` (the model's parameters on `device`);
+    temperature 0 is greedy."""
+    gen = torch.Generator().manual_seed(seed)  # on the CPU, so a sample is the same anywhere
+    idx = torch.tensor([list(prompt.encode())], device=device)  # (1, T0)
     for _ in range(n_new):
         logits = call(idx[:, -seq_len:])[:, -1, :].float()  # (1, vocab_size)
         if temperature == 0:
             nxt = logits.argmax(dim=-1, keepdim=True)  # (1, 1)
         else:
             probs = F.softmax(logits / temperature, dim=-1)  # (1, vocab_size)
-            nxt = torch.multinomial(probs, 1, generator=gen)  # (1, 1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=gen).to(device)  # (1, 1)
         idx = torch.cat([idx, nxt], dim=1)  # (1, T0 + i + 1)
     return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
 
@@ -478,7 +480,7 @@ def run(args: argparse.Namespace, comm) -> None:
 
     if master and args.sample_bytes > 0:
         prompt = "def "
-        text = generate(call, prompt, args.sample_bytes, args.seq_len, 0.8, args.seed)
+        text = generate(call, prompt, args.sample_bytes, args.seq_len, 0.8, args.seed, device)
         print(f"\nsample (temperature 0.8):\n{text}")
 
     if args.metrics_json:  # for tests and scripts: each rank's losses, as that rank saw them

@@ -76,8 +76,8 @@ def every_collective_body(comm: Comm, inputs: list[Tensor]) -> dict[str, Any]:
 def async_overlap_body(comm: Comm, a: list[Tensor], b: list[Tensor]) -> list[Tensor]:
     """Issue two all-gathers and an all-reduce before waiting on any of them."""
     x, y = a[comm.rank], b[comm.rank]
-    out_a = torch.empty(comm.world_size * x.numel(), dtype=x.dtype)
-    out_b = torch.empty(comm.world_size * y.numel(), dtype=y.dtype)
+    out_a = torch.empty(comm.world_size * x.numel(), dtype=x.dtype, device=x.device)
+    out_b = torch.empty(comm.world_size * y.numel(), dtype=y.dtype, device=y.device)
     z = x.clone()
     works = [
         comm.all_gather(out_a, x, async_op=True),

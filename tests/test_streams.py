@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fzero
-from fzero.collect import EmulatedStreams, all_gather_bucket
+from fzero.collect import EmulatedStreams, Streams, all_gather_bucket
 
 import step_bodies as sb
 from models import TinyGPT, reference_train
@@ -71,18 +71,55 @@ def test_parity_through_emulated_streams(stage: int, world: int) -> None:
             torch.testing.assert_close(out["params"][name], value, rtol=1e-5, atol=1e-6)
 
 
+class SlowStreams(Streams):
+    """CUDA side streams that sleep on the GPU before each collective: the CUDA twin of
+    `EmulatedStreams`. A consumer that reads a collective's output without `Pending.wait()`
+    (which makes the compute stream wait on the side stream's event) then reads it unfilled."""
+
+    CYCLES = 20_000_000  # ~10 ms at 2 GHz: far longer than the host takes to read on
+
+    def launch(self, role: str, output: Any, inputs: Any, issue: Any) -> Any:
+        stream = self.all_gather if role == "all_gather" else self.reduce_scatter
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(self.CYCLES)
+        return super().launch(role, output, inputs, issue)
+
+
+def cuda_missing_wait_body(comm: Any) -> tuple[bool, bool]:
+    """`missing_wait_body` on the GPU: read an all-gather's output before and after waiting."""
+    layout = fzero.plan({"w": torch.zeros(6)}, comm.world_size)
+    bucket = layout.buckets[0]
+    shard = torch.full((bucket.shard_numel,), float(comm.rank + 1), device="cuda")
+    out = torch.zeros(bucket.padded_numel, device="cuda")
+    pending = all_gather_bucket(comm, bucket, shard, out=out, streams=SlowStreams(out.device))
+    early = out.ne(0).all().item()  # on the compute stream, which nothing made wait
+    late = pending.wait().ne(0).all().item()
+    return early, late
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_slow_cuda_streams_expose_a_missing_wait() -> None:
+    (early, late), = fzero.SimWorld(1).run(cuda_missing_wait_body)
+    assert late
+    assert not early, "a read before wait() saw the gathered data: SlowStreams proves nothing"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("slow", [False, True], ids=["streams", "slow_streams"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_parity_on_cuda_side_streams(stage: int) -> None:
-    """One rank on the GPU: collectives on the CUDA side streams, parity with torch.optim."""
+def test_parity_on_cuda_side_streams(stage: int, slow: bool) -> None:
+    """One rank on the GPU: collectives on the CUDA side streams (delayed by a GPU sleep before
+    each, with ``slow``), parity with torch.optim."""
     batches, ref = reference()
 
     def body(comm: Any) -> Any:
         model = TinyGPT().cuda()
         state = fzero.init(model, stage=stage, optimizer=sb.make_optimizer(("adamw", sb.ADAMW)),
                            comm=comm, device="cuda", buckets=300)
-        step = fzero.make_train_step(model, TinyGPT.loss_fn, accum_steps=2)
+        streams = SlowStreams(torch.device("cuda")) if slow else None
+        step = fzero.make_train_step(model, TinyGPT.loss_fn, accum_steps=2, streams=streams)
         losses = []
         for batch in batches:
             state, metrics = step(state, tuple(t.cuda() for t in batch))
