@@ -47,10 +47,13 @@ or their partitions, fp32 master partitions, moments, gradient partitions; its r
 allocated at ``reduce_bucket_size`` and touched only in part, are scratch, not counted).
 
 For each fzero row a second set of processes measures where the step's time goes, at the
-same N: t_compute is the same step with `nocomm.NoComm` as its comm (collectives local and
-instant, so each rank still updates Ψ/N and runs the same Python), and t_comm replays on the
-real group the exact collectives that step issued (data and control channels), alone. Then
-overlap = (t_compute + t_comm - t_step) / min(t_compute, t_comm).
+same N, taking turns: a real step (t_step), the same step with `nocomm.NoComm` as its comm
+(t_compute: collectives local and instant, so each rank still updates Ψ/N and runs the same
+Python), and a replay on the real group of the exact collectives that step issued (t_comm: data
+and control channels, alone). Then overlap = 1 - clamp(t_step - t_compute, 0, t_comm) / t_comm,
+the share of t_comm hidden behind compute, in [0, 1], and contention = max(0, t_step -
+t_compute - t_comm), what the step took beyond both apart (on a CPU, the transport's threads
+compete with compute for the cores).
 
 The CPU column is the CPU time all of a row's processes used per timed step (every thread,
 gloo's included): the work a trainer does, which other processes on the machine change far
@@ -85,7 +88,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from nocomm import NoComm, open_channels, replay  # noqa: E402
+from nocomm import NoComm, replay  # noqa: E402
 from train_gpt import GPT, GPTConfig, loss_fn, num_params  # noqa: E402
 
 import fzero  # noqa: E402
@@ -461,6 +464,8 @@ def run_paired(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> d
 
 
 def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dict:
+    """One row's steps in these processes: per-step times, peak RSS, CPU time, state bytes.
+    A t_compute row (``fzero_k/compute``) times three things in turn instead (`_overlap_turns`)."""
     row, world, steps, warmup = spec["row"], spec["world"], spec["steps"], spec["warmup"]
     cfg, batch = model_and_batch(spec)
     # The first random init on the meta device imports ~830 modules of torch (+70 MiB): every
@@ -469,8 +474,11 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
     rss_before = fzero.memory.rss_bytes() / 2**20
     step, state_bytes, nocomm = build_row(row, spec, device, rank)
     batches = make_batches(cfg, batch, warmup + steps, rank, world, device)
+    turn = (_overlap_turns(step, nocomm, build_row(row.removesuffix(COMPUTE), spec, device,
+                                                   rank)[0], use_cuda)
+            if nocomm is not None else None)
     profile = cProfile.Profile() if spec["profile"] and rank == 0 else None
-    times, losses = [], []
+    times, losses, parts = [], [], []
     for i, b in enumerate(batches):
         if i == warmup:
             # The peak so far (init, warm-up) is kept; the timed steps get a peak of their own.
@@ -479,15 +487,18 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
             cpu0, busy0, wall0 = cpu_seconds(), machine_busy_seconds(), time.perf_counter()
             if profile is not None:
                 profile.enable()
-        if nocomm is not None:
-            nocomm.log.clear()  # keeps the last step's collectives
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = step(b)
-        if use_cuda:
-            torch.cuda.synchronize()
+        if turn is not None:
+            loss, seconds = turn(i, b)
+            parts.append(seconds)
+        else:
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = step(b)
+            if use_cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(seconds if turn is None else seconds["step"])
         losses.append(float(loss))
     wall, cpu, busy1 = time.perf_counter() - wall0, cpu_seconds() - cpu0, machine_busy_seconds()
     if profile is not None:
@@ -507,17 +518,46 @@ def run_rank(rank: int, spec: dict, device: torch.device, use_cuda: bool) -> dic
         "wall_seconds": wall,
         "machine_busy_seconds": None if busy0 is None or busy1 is None else busy1 - busy0,
     }
-    if nocomm is not None:  # t_comm: the last step's collectives, alone, on the real group
-        log = list(nocomm.log)
-        real = fzero.TorchComm()
-        open_channels(real, log)
-        comm_times = []
-        for _ in range(warmup + steps):
-            dist.barrier()
-            comm_times.append(replay(real, log))
-        result["comm_times"] = comm_times[warmup:]
-        result["collectives"] = len(log)
+    if turn is not None:
+        result["compute_times"] = [p["compute"] for p in parts[warmup:]]
+        result["comm_times"] = [p["comm"] for p in parts[warmup:]]
+        result["collectives"] = len(nocomm.log)
     return result
+
+
+def _overlap_turns(compute, nocomm: NoComm, step, use_cuda: bool):
+    """``turn(i, batch) -> (loss, {"step": s, "compute": s, "comm": s})``: one real step, the
+    same step with the no-op comm (t_compute) and a replay of the collectives that step issued
+    on a real comm (t_comm), in an order that rotates with `i`. Neighbouring parts see the same
+    machine, so the split holds on a machine whose speed drifts (separate runs of one row
+    differ by up to 60% here). The first turn's compute step runs first: it records the log."""
+    real = fzero.TorchComm()  # the replay's own (its channels open in the first, warm-up turn)
+
+    def run_compute(b):
+        nocomm.log.clear()  # keeps this step's collectives
+        return compute(b)
+
+    def run_comm(b):
+        return replay(real, list(nocomm.log))  # synchronizes the GPU itself
+
+    def turn(i: int, b):
+        parts = [("compute", run_compute), ("comm", run_comm), ("step", step)]
+        parts = parts[i % 3:] + parts[: i % 3]
+        seconds, loss = {}, None
+        for name, fn in parts:
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = fn(b)
+            if use_cuda:
+                torch.cuda.synchronize()
+            seconds[name] = time.perf_counter() - t0
+            if name == "comm":
+                seconds[name] = out  # the collectives alone, not the replay's buffers
+            if name == "step":
+                loss = out
+        return loss, seconds
+
+    return turn
 
 
 # -----------------------------------------------------------------------------
@@ -555,9 +595,10 @@ def run_row(row: str, args: argparse.Namespace, tmp: str) -> dict:
     if busy is not None:  # cores other processes used while this row's steps ran
         wall = max(r["wall_seconds"] for r in ranks)
         out["others_cores"] = max(0.0, (busy - sum(r["cpu_seconds"] for r in ranks)) / wall)
-    if "comm_times" in ranks[0]:
-        comm = [max(ts) for ts in zip(*(r["comm_times"] for r in ranks), strict=True)]
-        out["comm_median"] = statistics.median(comm)
+    for part in ("compute", "comm"):  # a t_compute row's other parts, the slowest rank's
+        if f"{part}_times" in ranks[0]:
+            slowest = [max(ts) for ts in zip(*(r[f"{part}_times"] for r in ranks), strict=True)]
+            out[f"{part}_median"] = statistics.median(slowest)
     return out
 
 
@@ -662,6 +703,7 @@ def summarize(rounds: list[dict], quiet: float | None) -> dict:
         "failed_rounds": len(rounds) - len(done),
     }
     if "comm_median" in done[0]:
+        out["compute"] = statistics.median(r["compute_median"] for r in used)
         out["comm"] = statistics.median(r["comm_median"] for r in used)
         out["collectives"] = done[0]["ranks"][0]["collectives"]
     return out
@@ -819,22 +861,32 @@ def print_tables(rows, results, args, cfg, batch) -> None:
         print("\nCUDA peak allocated MiB (rank 0, worst round): " + ", ".join(
             f"{LABELS[row]} {max(res['cuda']):,.0f}" for row, res in cuda))
 
-    overlaps = [(row, results[row], results.get(row + COMPUTE, {})) for row in rows
-                if row in FZERO_ROWS and "median" in results[row]
-                and "comm" in results.get(row + COMPUTE, {})]
+    overlaps = [(row, results[row + COMPUTE]) for row in rows
+                if row in FZERO_ROWS and "comm" in results.get(row + COMPUTE, {})]
     if overlaps:
         print("\n| trainer | t_step ms | t_compute ms (no-op comm, same N) "
-              "| t_comm ms (its collectives alone) | collectives per step | overlap |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for row, res, parts in overlaps:
-            t_step, t_compute, t_comm = res["median"], parts["median"], parts["comm"]
-            overlap = (t_compute + t_comm - t_step) / min(t_compute, t_comm)
+              "| t_comm ms (its collectives alone) | collectives per step | overlap "
+              "| contention ms |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for row, parts in overlaps:
+            t_step, t_compute, t_comm = parts["median"], parts["compute"], parts["comm"]
+            hidden, contention = split_step(t_step, t_compute, t_comm)
             print(f"| {LABELS[row]} | {fmt_ms(t_step)} | {fmt_ms(t_compute)} | {fmt_ms(t_comm)} "
-                  f"| {parts['collectives']} | {overlap:.2f} |")
-        print("overlap = (t_compute + t_comm - t_step) / min(t_compute, t_comm): 1 when the "
-              "shorter part hides entirely behind the longer, 0 when the step takes their sum; "
-              "below 0 when the step takes longer than both apart (compute and gloo's threads "
-              "contend for the same cores).")
+                  f"| {parts['collectives']} | {hidden:.2f} | {fmt_ms(contention)} |")
+        print("All three from the same processes, a step of each in turn (median of the turns; "
+              "t_step here is the row's step in those processes). overlap = the share of "
+              "t_comm hidden behind compute: 1 - clamp(t_step - t_compute, 0, t_comm) / t_comm. "
+              "contention = what the step took beyond t_compute + t_comm (compute and the "
+              "transport's threads on the same cores), 0 when none.")
+
+
+def split_step(t_step: float, t_compute: float, t_comm: float) -> tuple[float, float]:
+    """``(overlap, contention)`` of a step that took `t_step` where its compute alone takes
+    `t_compute` and its communication alone `t_comm`: the share of t_comm hidden behind compute,
+    in [0, 1], and the seconds beyond t_compute + t_comm (>= 0)."""
+    exposed = t_step - t_compute  # what communication added to the step
+    overlap = 1.0 - min(max(exposed, 0.0), t_comm) / t_comm if t_comm > 0 else 1.0
+    return overlap, max(0.0, exposed - t_comm)
 
 
 if __name__ == "__main__":

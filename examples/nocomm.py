@@ -157,4 +157,6 @@ def replay(comm: CommBase, log: list[Issued]) -> float:
             pending.append(work)
     for work in pending:
         work.wait()
+    if any(big.is_cuda for big, _ in buffers.values()):
+        torch.cuda.synchronize()  # NCCL's wait() only orders streams: wait for the GPU too
     return time.perf_counter() - t0

@@ -5,6 +5,7 @@ asserted: only that each requested row produced one)."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -13,6 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_step import split_step
+from hypothesis import given
+from hypothesis import strategies as st
 from nocomm import NoComm, replay
 from train_gpt import GPT, GPTConfig, loss_fn
 
@@ -106,6 +110,29 @@ def test_replay_issues_the_steps_collectives() -> None:
 
 
 # -----------------------------------------------------------------------------
+# The split of a step into hidden communication and contention
+
+
+@given(st.floats(0, 10), st.floats(0, 10), st.floats(0, 10))
+def test_split_step_accounts_for_the_whole_step(t_step: float, t_compute: float,
+                                                t_comm: float) -> None:
+    overlap, contention = split_step(t_step, t_compute, t_comm)
+    assert 0 <= overlap <= 1 and contention >= 0
+    if t_step >= t_compute and t_comm > 0:  # compute + the exposed comm + contention = the step
+        exposed = (1 - overlap) * t_comm
+        assert math.isclose(t_compute + exposed + contention, t_step, rel_tol=1e-9,
+                            abs_tol=1e-12)
+
+
+def test_split_step_cases() -> None:
+    assert split_step(10.0, 10.0, 2.0) == (1.0, 0.0)  # communication entirely hidden
+    assert split_step(12.0, 10.0, 2.0) == (0.0, 0.0)  # serial: compute, then communication
+    assert split_step(11.0, 10.0, 2.0) == (0.5, 0.0)
+    assert split_step(15.0, 10.0, 2.0) == (0.0, 3.0)  # 3 beyond both apart: contention
+    assert split_step(9.0, 10.0, 2.0) == (1.0, 0.0)  # faster than compute alone: noise
+
+
+# -----------------------------------------------------------------------------
 # Each bench script, end to end at a tiny size
 
 
@@ -126,8 +153,9 @@ def test_bench_step_runs() -> None:
     rows = table_rows(out)
     for label in ("DDP + AdamW", "fzero stage 2", "fzero stage 3, shm"):  # time (round spread)
         assert re.match(r"\| [^|]+ \| [\d.,]+ \([\d.,]+\) \|", rows[label][0]), rows[label]
-    overlap = rows["fzero stage 2"][1]  # t_step, t_compute, t_comm, collectives, overlap
-    assert re.fullmatch(r"\| fzero stage 2( \| -?[\d.,]+){5} \|", overlap), overlap
+    overlap = rows["fzero stage 2"][1]  # t_step, t_compute, t_comm, collectives, overlap, ...
+    assert re.fullmatch(r"\| fzero stage 2( \| [\d.,]+){6} \|", overlap), overlap  # contention
+    assert 0 <= float(overlap.split("|")[6]) <= 1, overlap
     # --buckets: one size-capped bucket instead of one per block issues fewer collectives.
     capped = table_rows(run(str(EXAMPLES / "bench_step.py"), "--nproc", "2", "--size", "tiny",
                             "--steps", "1", "--warmup", "1", "--rounds", "1", "--rows", "fzero_2",
