@@ -486,7 +486,7 @@ def run(args: argparse.Namespace, comm) -> None:
     if args.metrics_json:  # for tests and scripts: each rank's losses, as that rank saw them
         import json
 
-        mine = {"rank": rank, "losses": losses, "val_loss": val_loss}
+        mine = {"rank": rank, "losses": losses, "val_loss": val_loss, "device": str(device)}
         every = [None] * world
         if world > 1:
             dist.all_gather_object(every, mine)

@@ -164,6 +164,20 @@ def test_bench_step_runs() -> None:
     assert int(capped["fzero stage 2"][1].split("|")[5]) < count, (capped, overlap)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_step_runs_on_the_gpu() -> None:
+    """One rank on the GPU (NCCL): every row, and the split of fzero's steps, produce numbers
+    (the loss all-reduce and the no-op comm's state once sat on the CPU there)."""
+    out = run(str(EXAMPLES / "bench_step.py"), "--nproc", "1", "--size", "tiny", "--steps", "1",
+              "--warmup", "1", "--rounds", "1", "--rows", "ddp,fsdp2,fzero_1,fzero_3")
+    rows = table_rows(out)
+    assert "1 ranks on cuda" in out, out
+    for label in ("DDP + AdamW", "FSDP2 fully_shard", "fzero stage 1", "fzero stage 3"):
+        assert re.match(r"\| [^|]+ \| [\d.,]+ \([\d.,]+\) \|", rows[label][0]), rows[label]
+    assert re.fullmatch(r"\| fzero stage 3( \| [\d.,]+){6} \|", rows["fzero stage 3"][1]), out
+
+
 @pytest.mark.slow
 def test_bench_step_paired_runs() -> None:
     """--paired: the rows share processes, a step of each in turn; each row gets a median step

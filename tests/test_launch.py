@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "examples" / "train_gpt.py")
@@ -134,3 +135,23 @@ def test_slurm_sbatch_with_a_local_srun(tmp_path: Path) -> None:
     assert [r["rank"] for r in ranks] == [0, 1]
     assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["losses"][-1] < ranks[0][
         "losses"][0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_torchrun_on_the_gpu_trains_as_the_reference(tmp_path: Path) -> None:
+    """One rank on the GPU (NCCL), stage 3, with a text sample: the same losses as one process
+    of torch.optim.AdamW on the same device."""
+    common = [*SMALL[:-2], "--sample-bytes", "16", "--stage", "3"]
+    fzero_json, reference_json = tmp_path / "fzero.json", tmp_path / "reference.json"
+    subprocess.run(torchrun("--standalone", "--nproc-per-node", "1", SCRIPT, *common,
+                            "--metrics-json", str(fzero_json)),
+                   env=env(), check=True, timeout=TIMEOUT, capture_output=True)
+    subprocess.run([sys.executable, SCRIPT, *common[:-2], "--reference",
+                    "--metrics-json", str(reference_json)],
+                   env=env(), check=True, timeout=TIMEOUT, capture_output=True)
+    ours, = json.loads(fzero_json.read_text())
+    ref, = json.loads(reference_json.read_text())
+    assert ours["device"].startswith("cuda"), ours
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]),
+                               rtol=1e-4, atol=1e-5)
