@@ -53,7 +53,8 @@ Python), and a replay on the real group of the exact collectives that step issue
 and control channels, alone). Then overlap = 1 - clamp(t_step - t_compute, 0, t_comm) / t_comm,
 the share of t_comm hidden behind compute, in [0, 1], and contention = max(0, t_step -
 t_compute - t_comm), what the step took beyond both apart (on a CPU, the transport's threads
-compete with compute for the cores).
+compete with compute for the cores). Those processes hold two states, the real step's and the
+no-op one's: where memory is tight (300M on 24 GiB), ``--no-overlap`` skips them.
 
 The CPU column is the CPU time all of a row's processes used per timed step (every thread,
 gloo's included): the work a trainer does, which other processes on the machine change far
