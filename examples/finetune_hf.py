@@ -114,8 +114,8 @@ def loss_fn(call, batch: tuple[Tensor]) -> Tensor:
 def export_pretrained(state, model: nn.Module, tokenizer, out_dir: str, rank: int) -> None:
     """Write ``out_dir`` for ``from_pretrained``: the trained weights in a copy of `model`.
 
-    A collective (every rank gathers the parameters); rank 0 writes. To be replaced by
-    ``fzero.checkpoint.export`` once it lands.
+    A collective (every rank gathers the parameters); rank 0 writes. (From a saved checkpoint,
+    offline, ``fzero.checkpoint.export`` does the same.)
     """
     params = fzero.full_params(state)  # {name: full tensor}, tied names included
     if rank != 0:
@@ -198,7 +198,7 @@ def train(comm, args: argparse.Namespace) -> dict:
     while len(losses) < args.steps:
         sampler.set_epoch(epoch)  # a new shuffle per epoch, the same on every rank
         for ids in loader:  # (B/N, T): this rank's rows of the global batch
-            state, metrics = step(state, (ids,))
+            state, metrics = step(state, (ids.to(state.config.device),))  # the GPU under NCCL
             losses.append(metrics["loss"])
             bar.update()
             bar.set_postfix(loss=f"{metrics['loss']:.4f}")

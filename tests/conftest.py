@@ -38,3 +38,14 @@ def gloo_pool():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture
+def bare_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No launcher in the environment (torchrun's and Slurm's variables removed): the
+    `fzero.distributed()` of a test is then a world of one process."""
+    from fzero import launch
+
+    for name in (*launch._TORCHRUN_VARS, *launch._SLURM_VARS):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch

@@ -881,3 +881,42 @@ def test_train_gpt_restarts_where_it_stopped(tmp_path) -> None:
 def test_bench_checkpoint_runs(tmp_path) -> None:
     out = run_example("examples/bench_checkpoint.py", "--size", "small", "--dir", str(tmp_path))
     assert "| fzero stage 3 |" in out and "| FSDP2 + DCP |" in out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gpu_state_resumes_bitwise_and_loads_on_the_cpu(tmp_path, bare_env, stage: int) -> None:
+    """A state on the GPU (NCCL, one rank) saved after 2 steps and loaded trains on bitwise like
+    the uninterrupted run, every tensor back on the GPU; the same checkpoint loads into a CPU
+    state with the saved values."""
+    path = str(tmp_path / "ckpt")
+    batches = [tuple(t.cuda() for t in batch) for batch in gpt_batches(5)]
+    with fzero.distributed(backend="nccl") as comm:
+        model = TinyGPT().cuda()
+        step = fzero.make_train_step(model, TinyGPT.loss_fn)
+        state = fzero.init(model, stage=stage, optimizer=fzero.optim.adamw(lr=1e-2), comm=comm)
+        for batch in batches[:SAVE_AT]:
+            state, _ = step(state, batch)
+        fzero.save(state, path)
+        saved = {name: value.cpu() for name, value in fzero.full_params(state).items()}
+        uninterrupted, resumed = [], []
+        for batch in batches[SAVE_AT:]:
+            state, metrics = step(state, batch)
+            uninterrupted.append(metrics["loss"])
+        loaded = fzero.load(path, model=model, comm=comm)
+        held = [t for t in (*loaded.params, *loaded.grads, *loaded.master,
+                            *(m for ms in loaded.moments.values() for m in ms)) if t is not None]
+        assert held and all(t.is_cuda for t in held)
+        for batch in batches[SAVE_AT:]:
+            loaded, metrics = step(loaded, batch)
+            resumed.append(metrics["loss"])
+    assert resumed == uninterrupted
+
+    def load_on_cpu(comm: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return fzero.full_params(fzero.load(path, model=model, comm=comm))
+
+    (on_cpu,) = fzero.SimWorld(1).run(load_on_cpu, TinyGPT())
+    assert set(on_cpu) == set(saved)
+    for name, value in saved.items():
+        assert not on_cpu[name].is_cuda and torch.equal(on_cpu[name], value), name

@@ -709,15 +709,6 @@ def test_no_side_streams_off_cuda() -> None:
     assert Streams.for_device(torch.device("meta")) is None
 
 
-@pytest.fixture
-def bare_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    from fzero import launch as flaunch
-
-    for name in (*flaunch._TORCHRUN_VARS, *flaunch._SLURM_VARS):
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_gather_async_on_side_stream(bare_env: pytest.MonkeyPatch) -> None:

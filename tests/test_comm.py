@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from fzero import comm as fcomm
-from fzero import launch as flaunch
 from fzero import torchcomm as ftorchcomm
 from fzero.comm import COLLECTIVES, Comm, CommCounters, ring_bytes
 from fzero.launch import (
@@ -690,13 +689,6 @@ def test_gloo_worker_error_names_rank_and_pool_recovers(gloo_pool: Any) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # init_distributed in this process
-
-
-@pytest.fixture
-def bare_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in (*flaunch._TORCHRUN_VARS, *flaunch._SLURM_VARS):
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
 
 
 def test_init_distributed_single_process_fallback(bare_env: pytest.MonkeyPatch) -> None:

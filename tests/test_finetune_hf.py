@@ -34,20 +34,22 @@ def initial(args) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.slow
-def test_torchrun_two_ranks_stage3_partly_frozen_and_export(tmp_path: Path) -> None:
+def check_torchrun_stage3_partly_frozen_and_export(tmp_path: Path, nproc: int,
+                                                    rtol: float) -> None:
+    """finetune_hf.py under torchrun with `nproc` processes: the losses of one process (within
+    `rtol`), only the chosen parameters trained, and an export `from_pretrained` loads."""
     out, metrics = tmp_path / "tuned", tmp_path / "metrics.json"
     argv = [*TINY, "--stage", "3", "--train", "transformer.h.*.attn.*"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "finetune_hf.py"), *argv, "--out", str(out),
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(nproc), str(ROOT / "examples" / "finetune_hf.py"), *argv, "--out", str(out),
          "--metrics-json", str(metrics)],
         env=env, check=True, timeout=300, capture_output=True,
     )
     summary = json.loads(metrics.read_text())
-    assert summary["world_size"] == 2 and len(summary["losses"]) == 4
+    assert summary["world_size"] == nproc and len(summary["losses"]) == 4
     assert summary["trainable"] and all(".attn." in n for n in summary["trainable"])
 
     # The same global batches in one process (DistributedSampler's shuffle does not depend on
@@ -55,7 +57,7 @@ def test_torchrun_two_ranks_stage3_partly_frozen_and_export(tmp_path: Path) -> N
     args = ft.parse_args(argv)
     alone = fzero.SimWorld(1).run(ft.train, args)[0]
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(alone["losses"]),
-                               rtol=1e-5, atol=0)
+                               rtol=rtol, atol=0)
 
     # The export loads with from_pretrained: frozen weights as they started, attention trained.
     start = initial(args)
@@ -65,6 +67,19 @@ def test_torchrun_two_ranks_stage3_partly_frozen_and_export(tmp_path: Path) -> N
     for name, value in start.items():
         same = torch.equal(loaded[name], value)
         assert same == (name not in summary["trainable"]), name
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_stage3_partly_frozen_and_export(tmp_path: Path) -> None:
+    check_torchrun_stage3_partly_frozen_and_export(tmp_path, nproc=2, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_torchrun_on_the_gpu_partly_frozen_and_export(tmp_path: Path) -> None:
+    """One rank on the GPU (NCCL): the batches move to the state's device; the losses agree
+    with the CPU's up to the devices' float32 kernels."""
+    check_torchrun_stage3_partly_frozen_and_export(tmp_path, nproc=1, rtol=1e-3)
 
 
 def neox_dir(path: Path, tokenizer: bool) -> str:
