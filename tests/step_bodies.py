@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 import fzero
@@ -171,6 +172,7 @@ def train_body(
     loss_scale: float | None = None,
     master: bool = False,
     emulated_delay: float | None = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Train `steps` steps on this rank's slices of `batches` (cycled); report what happened.
 
@@ -182,6 +184,8 @@ def train_body(
         master: also return `full_params(state, master=True)`.
         emulated_delay: run collectives on `fzero.EmulatedStreams` with delays up to this many
             seconds (seeded by rank).
+        device: where the state and the batches live (default: the comm's device); the
+            parameters come back on the CPU.
 
     Returns:
         ``losses`` and ``metrics`` per step, final ``params`` (`full_params`), ``master`` when
@@ -190,7 +194,7 @@ def train_body(
     state = fzero.init(
         model, stage=stage, optimizer=make_optimizer(opt), comm=comm,
         buckets=bucket_policy(model, buckets),
-        param_dtype=param_dtype,
+        param_dtype=param_dtype, device=device,
     )
     if loss_scale is not None:
         assert state.loss_scale is not None
@@ -204,6 +208,8 @@ def train_body(
     losses, metrics = [], []
     for i in range(steps):
         local = split_batch(batches[i % len(batches)], comm.rank, comm.world_size)
+        if device is not None:
+            local = pytree.tree_map(lambda t: t.to(device), local)
         state, m = step(state, local)
         losses.append(m["loss"])
         metrics.append(m)
@@ -212,12 +218,12 @@ def train_body(
     out = {
         "losses": losses,
         "metrics": metrics,
-        "params": fzero.full_params(state),
+        "params": {k: v.cpu() for k, v in fzero.full_params(state).items()},
         "step": state.step,
         "layout": state.layout,
     }
     if master:
-        out["master"] = fzero.full_params(state, master=True)
+        out["master"] = {k: v.cpu() for k, v in fzero.full_params(state, master=True).items()}
     return out
 
 

@@ -277,6 +277,22 @@ def test_bf16_trains_close_to_fp32(stage: int, world: int) -> None:
         world, sb.train_body, model, batches, PARITY_STEPS, stage=stage,
         param_dtype=torch.bfloat16, master=True,
     )[0]
+    check_bf16_close_to_fp32(out, fp32)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_on_the_gpu_trains_close_to_fp32(stage: int) -> None:
+    """The same on the GPU, one rank: bf16 kernels there, the fp32 master beside them."""
+    out = run(1, sb.train_body, TinyGPT().cuda(), global_batches("tiny_gpt"), PARITY_STEPS,
+              stage=stage, param_dtype=torch.bfloat16, master=True, device="cuda")[0]
+    check_bf16_close_to_fp32(out, reference("tiny_gpt", PARITY_STEPS))
+
+
+def check_bf16_close_to_fp32(out: dict[str, Any], fp32: Any) -> None:
+    """A bf16 run (with `master`) trains, close to the fp32 reference `fp32` but not equal to
+    it; its compute copy is its fp32 master rounded to bf16."""
     losses = out["losses"]
     assert sum(losses[-4:]) / 4 < 0.5 * losses[0]  # it trains
     assert_losses(losses, fp32.losses, rtol=BF16_LOSS_RTOL)
