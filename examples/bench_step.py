@@ -392,6 +392,7 @@ def worker(rank: int, spec: dict) -> None:
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=spec["timeout"]),
+        device_id=device if use_cuda else None,  # NCCL: this rank's GPU, not guessed from rank
     )
     try:
         run = run_paired if spec.get("paired") else run_rank
