@@ -96,6 +96,10 @@ import fzero  # noqa: E402
 
 SIZES = {  # name: (model config, global batch in sequences)
     "tiny": (GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=32), 4),  # CI: runs at all
+    # Ten blocks (124 parameters, as 30m) of width 32: compute near zero, so a step's time is
+    # the trainer's own fixed cost per step (hooks, Python, collectives): what bounds a small
+    # model on a GPU.
+    "host": (GPTConfig(seq_len=16, n_layer=10, n_head=2, d_model=32), 4),
     "small": (GPTConfig(), 16),
     # Short sequences and small batches keep a CPU step to seconds: the comparison is about the
     # trainers' overheads, memory and communication, which scale with Ψ, not with tokens.
