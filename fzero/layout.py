@@ -19,7 +19,8 @@ import json
 import math
 import re
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -180,6 +181,10 @@ class ShardLayout:
     buckets: tuple[Bucket, ...]
     world_size: int
     version: int = LAYOUT_VERSION
+    # Derived once on first use (a train step reads both every step); not part of equality.
+    _fingerprint: str | None = field(default=None, init=False, repr=False, compare=False)
+    _located: dict[str, tuple[int, Entry]] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -206,19 +211,27 @@ class ShardLayout:
         """Elements of the trainable buckets, padding excluded."""
         return sum(bucket.numel for bucket in self.buckets if bucket.trainable)
 
-    def locate(self) -> dict[str, tuple[int, Entry]]:
-        """Map every name (aliases included) to ``(bucket index, entry)``."""
-        return {
-            name: (index, entry)
-            for index, bucket in enumerate(self.buckets)
-            for entry in bucket.entries
-            for name in entry.names
-        }
+    def locate(self) -> Mapping[str, tuple[int, Entry]]:
+        """Map every name (aliases included) to ``(bucket index, entry)`` (read-only)."""
+        if self._located is None:
+            located = {
+                name: (index, entry)
+                for index, bucket in enumerate(self.buckets)
+                for entry in bucket.entries
+                for name in entry.names
+            }
+            object.__setattr__(self, "_located", located)
+        assert self._located is not None
+        return MappingProxyType(self._located)
 
     @property
     def fingerprint(self) -> str:
         """A stable 16-hex-digit hash of everything that defines the layout."""
-        return hashlib.sha256(self.to_json(indent=None).encode()).hexdigest()[:16]
+        if self._fingerprint is None:
+            digest = hashlib.sha256(self.to_json(indent=None).encode()).hexdigest()[:16]
+            object.__setattr__(self, "_fingerprint", digest)
+        assert self._fingerprint is not None
+        return self._fingerprint
 
     def to_json(self, indent: int | None = 1) -> str:
         """Serialize to JSON text; `ShardLayout.from_json` is its exact inverse."""
@@ -295,6 +308,7 @@ def plan(
     trainable: TrainableMask = None,
     cap: int = DEFAULT_BUCKET_CAP,
     floor: int = DEFAULT_BUCKET_FLOOR,
+    separate_tied: bool = True,
 ) -> ShardLayout:
     """Plan how `params` are flattened into buckets and sharded over `world_size` ranks.
 
@@ -318,8 +332,14 @@ def plan(
         floor: under ``buckets=None``, consecutive groups of one kind (trainable or frozen,
             one dtype) are merged while either holds fewer than `floor` elements, so a
             model of small blocks gets few buckets (each costs a fixed amount per collective
-            and step); a group holding a tied parameter (used in two places) stays alone.
+            and step); a group holding a tied parameter stays alone if `separate_tied`.
             ``floor=1`` merges nothing: one bucket per block.
+        separate_tied: keep a group holding a tied parameter (used in two places) out of the
+            `floor` merge. Stage 3 gathers a bucket at each use, so a tied embedding merged
+            into the first block's bucket would gather that block again for the output head;
+            stages 0-2 gather nothing in forward, and `fzero.init` passes False for them (a
+            tied embedding's gradient is complete at the end of backward, as its first
+            block's is: merging costs no overlap and saves two collectives per step).
 
     Returns:
         The layout. Within a group, trainable and frozen parameters, and parameters of
@@ -361,7 +381,8 @@ def plan(
 
     groups = _group(stored, tensors, alias_of, buckets, module, cap)
     if buckets is None and floor > 1:
-        groups = _merge_small(groups, tensors, aliases, is_trainable, floor)
+        groups = _merge_small(groups, tensors, aliases, is_trainable, floor,
+                              separate_tied=separate_tied)
     out = []
     for label, names in groups:
         out.extend(_split_group(label, names, tensors, aliases, is_trainable, world_size))
@@ -495,14 +516,16 @@ def _merge_small(
     aliases: Mapping[str, list[str]],
     is_trainable: Callable[[str], bool],
     floor: int,
+    *,
+    separate_tied: bool,
 ) -> list[tuple[str, list[str]]]:
     """Merge each group into the one before while either holds fewer than `floor` elements and
-    both are of one and the same kind; a group of mixed kinds, or holding a tied parameter,
-    stays alone. Labels become ``"first..last"``."""
+    both are of one and the same kind; a group of mixed kinds, or holding a tied parameter
+    when `separate_tied`, stays alone. Labels become ``"first..last"``."""
 
     def kind(names: list[str]) -> tuple[bool, torch.dtype] | None:
         kinds = {(is_trainable(n), tensors[n].dtype) for n in names}
-        tied = any(aliases[n] for n in names)
+        tied = separate_tied and any(aliases[n] for n in names)
         return next(iter(kinds)) if len(kinds) == 1 and not tied else None
 
     # labels, names, size, kind (None: never merged)

@@ -330,7 +330,8 @@ def init(
         stage: ZeRO stage: 0 (plain data parallelism, the reference), 1, 2 or 3.
         optimizer: an `fzero.optim` optimizer.
         comm: the communicator (`fzero.TorchComm`, or a `SimWorld` rank's comm).
-        buckets: bucket policy, as for `fzero.plan`.
+        buckets: bucket policy, as for `fzero.plan` (whose `separate_tied` is ``stage == 3``:
+            in stages 0-2 a small tied embedding shares its neighbor's bucket).
         param_dtype: compute dtype of floating parameters and buffers (e.g.
             ``torch.bfloat16``, as ``model.to(param_dtype)`` would); default their own dtypes.
         master_dtype: dtype of the optimizer's copy of trainable parameters and its moments;
@@ -370,7 +371,8 @@ def init(
     check_dtypes(param_dtype=param_dtype, reduce_dtype=reduce_dtype, master_dtype=master_dtype)
     check_comm(comm, "init")
     device = state_device(device, comm)
-    source_layout = plan(model, comm.world_size, buckets=buckets, trainable=trainable)
+    source_layout = plan(model, comm.world_size, buckets=buckets, trainable=trainable,
+                         separate_tied=stage == 3)
     if not source_layout.buckets:
         raise ValueError("init: the model has no parameters: there is nothing to train")
     layout = source_layout.cast(param_dtype) if param_dtype is not None else source_layout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -98,6 +99,13 @@ def test_planning_is_deterministic_and_json_round_trips(case):
     assert again.fingerprint == layout.fingerprint
     restored = ShardLayout.from_json(layout.to_json())
     assert restored == layout and restored.fingerprint == layout.fingerprint
+    # What a layout derives once (fingerprint, locate) is not state: a layout that computed
+    # them pickles (to other processes), equals and hashes as one that did not.
+    located = dict(layout.locate())
+    copied = pickle.loads(pickle.dumps(layout))
+    assert copied == again and hash(copied) == hash(again)
+    assert copied.fingerprint == layout.fingerprint and dict(copied.locate()) == located
+    assert dataclasses.replace(layout, world_size=world + 1).fingerprint != layout.fingerprint
 
 
 @given(trees(max_size=30), world_sizes, st.data())
@@ -157,6 +165,23 @@ def test_default_policy_merges_small_blocks_up_to_the_floor():
     assert fzero.plan(net, 3, buckets=Block, floor=10**9) == fzero.plan(net, 3, buckets=Block)
 
 
+def test_a_tied_group_merges_only_when_not_kept_separate():
+    net = Net()  # the tied embedding (55) comes first: merged, it joins the blocks after it
+    assert [(b.label, b.numel) for b in fzero.plan(net, 3, separate_tied=False).buckets] == [
+        ("embed..final", 185)]
+    # floor=1 merges nothing, tied or not
+    assert fzero.plan(net, 3, floor=1, separate_tied=False) == fzero.plan(net, 3, floor=1)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_init_keeps_the_tied_group_apart_in_stage_3_only(stage):
+    """Stage 3 gathers a bucket at each use: a tied embedding beside the first block would
+    gather the block again for the output head. Stages 0-2 merge it (fewer collectives)."""
+    (labels,) = fzero.SimWorld(1).run(lambda comm: [b.label for b in fzero.init(
+        Net(), stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm).layout.buckets])
+    assert labels == (["embed", "blocks.0..final"] if stage == 3 else ["embed..final"])
+
+
 def test_a_merged_bucket_names_both_ends_even_when_they_share_a_label():
     """Shrunk from the property below: groups "h.0", "b", "h.0" merged into one bucket were
     labelled "h.0", as if the bucket held only h.0."""
@@ -168,12 +193,12 @@ def test_a_merged_bucket_names_both_ends_even_when_they_share_a_label():
         "h.0..h.0"]
 
 
-@given(worlds_and_trees(), st.integers(1, 300))
-def test_the_floor_merges_consecutive_groups_of_one_kind(case, floor):
+@given(worlds_and_trees(), st.integers(1, 300), st.booleans())
+def test_the_floor_merges_consecutive_groups_of_one_kind(case, floor, separate_tied):
     world, spec = case
     params = spec.build()
     blocks = fzero.plan(params, world, floor=1)
-    merged = fzero.plan(params, world, floor=floor)
+    merged = fzero.plan(params, world, floor=floor, separate_tied=separate_tied)
     parts = iter(blocks.buckets)
     for bucket in merged.buckets:  # each bucket: consecutive per-block buckets of its kind
         run = [next(parts)]
@@ -181,13 +206,14 @@ def test_the_floor_merges_consecutive_groups_of_one_kind(case, floor):
             run.append(next(parts))
         assert [e.name for b in run for e in b.entries] == [e.name for e in bucket.entries]
         assert {(b.trainable, b.dtype) for b in run} == {(bucket.trainable, bucket.dtype)}
-        if len(run) > 1:
+        if len(run) > 1 and separate_tied:
             assert not any(e.aliases for e in bucket.entries)
             assert bucket.label == f"{run[0].label}..{run[-1].label}"
     assert next(parts, None) is None
 
-    def mergeable(bucket):  # its group had one kind and no tie
-        return "[" not in bucket.label and not any(e.aliases for e in bucket.entries)
+    def mergeable(bucket):  # its group had one kind (and no tie, if kept separate)
+        return "[" not in bucket.label and not (
+            separate_tied and any(e.aliases for e in bucket.entries))
 
     if floor == 1:  # merges nothing, not even empty groups
         assert merged == blocks
