@@ -141,6 +141,10 @@ class Reducer:
     `patience` the wait gives up after four times the typical (median) time a reduction has
     taken so far, at most `patience` seconds, and the reduction is collected later (`poll`,
     `finish`), trading memory for progress.
+
+    `gate`, if given, is called before every launch: it raises, and nothing is launched, when
+    the step must not communicate (the train step's header, still in flight while the first
+    backward runs, disagreed: `fzero.consensus.HeaderRound`).
     """
 
     def __init__(
@@ -155,8 +159,10 @@ class Reducer:
         reduce_dtype: torch.dtype | None = None,
         streams: SideStreams | None = None,
         patience: float | None = None,
+        gate: Callable[[], None] | None = None,
     ) -> None:
         assert mode in ("all_reduce", "scatter_full", "scatter_leaves"), mode
+        self.gate = gate
         self.patience = patience
         self.durations: list[float] = []  # seconds from launch to done, of reductions waited for
         # With patience, a thread waits for each reduction on the host (a blocking wait, no
@@ -223,6 +229,8 @@ class Reducer:
         return [self.results.get(i, self.grads[i]) for i in sorted(self.order)]
 
     def _launch(self, index: int, *, zero: bool) -> None:
+        if self.gate is not None:  # raises instead of launching when the step cannot start
+            self.gate()
         bucket = self.layout.buckets[index]
         grad = self.grads[index]
         assert grad is not None

@@ -6,7 +6,11 @@ decision from the same data:
 
 - Before any bucket moves, the step `header`: layout fingerprint, stage, step number, number of
   micro-batches, kind of step. A rank resumed from another checkpoint, given another number of
-  micro-batches or another model makes every rank raise here, state untouched.
+  micro-batches or another model makes every rank raise here, state untouched. The header
+  need not arrive before the computation starts, only before the first collective: a train
+  step of stages 0-2 (which communicate first in backward) starts it (`HeaderRound`), runs
+  the forward while it travels, and checks it before the first reduction or buffer broadcast
+  (its latency hidden); stage 3, which gathers before its forward, checks it first.
 - After backward and before any update, the `statistics`: this rank's share of the squared
   gradient norm, its loss sum and rows, whether its own computation failed, whether it saw a
   non-finite value, whether it used every parameter, and the signature of the collective
@@ -25,7 +29,8 @@ import torch
 
 from fzero.comm import Comm
 
-__all__ = ["Header", "StepError", "Statistics", "agree_header", "exchange_statistics"]
+__all__ = ["Header", "HeaderRound", "StepError", "Statistics", "agree_header",
+           "exchange_statistics"]
 
 _MESSAGE_BYTES = 400  # a failing rank's error text, truncated, shown on every rank
 _HALF = 2**31
@@ -71,39 +76,74 @@ def agree_header(
         StepError: naming the field, each value and the ranks holding it; or the ranks that
             could not start. `own` itself on the rank that hit it.
     """
-    n = control.world_size
-    if own is not None:
-        header = header._replace(micro_batches=0)
-    mine = torch.tensor(list(header), dtype=torch.int64)
-    every = torch.empty(n * len(header), dtype=torch.int64)
-    control.all_gather(every, mine, label=f"of the {what} header")
-    rows = every.view(n, len(header)).tolist()
-    if own is not None:
-        raise own
-    unable = [r for r, row in enumerate(rows) if row[3] == 0]
-    if unable:
-        raise StepError(
-            f"{what}: rank(s) {unable} could not start it (their own error says why: a consumed "
-            f"state, another model, or a batch that does not split); nothing was communicated "
-            f"or changed",
-            step=header.step + 1,
-            ranks=unable,
-        )
-    for field_index, field in enumerate(Header._fields):
-        values = [row[field_index] for row in rows]
-        if len(set(values)) > 1:
-            by_value: dict[int, list[int]] = {}
-            for rank, value in enumerate(values):
-                by_value.setdefault(value, []).append(rank)
-            shown = "; ".join(f"{_show(field, v)} on ranks {r}" for v, r in by_value.items())
-            odd = [r for r, v in enumerate(values) if v != values[0]]
+    HeaderRound(control, header, what=what, own=own).check()
+
+
+class HeaderRound:
+    """`agree_header` in two halves: the all-gather starts at construction, and `check()`
+    waits for it and raises as `agree_header` does.
+
+    A step whose first collective comes late (stages 0-2 reduce only in backward) computes
+    while the header travels and calls `check()` before its first collective on any channel.
+    `check()` may be called any number of times: it waits once, and every later call raises
+    the same error again (so every path to a collective stops there) or returns.
+    """
+
+    def __init__(
+        self, control: Comm, header: Header, *, what: str, own: BaseException | None = None
+    ) -> None:
+        n = control.world_size
+        if own is not None:
+            header = header._replace(micro_batches=0)
+        self._what = what
+        self._own = own
+        self._header = header
+        self._every = torch.empty(n * len(header), dtype=torch.int64)
+        mine = torch.tensor(list(header), dtype=torch.int64)
+        self._work = control.all_gather(self._every, mine, async_op=True,
+                                        label=f"of the {what} header")
+        self._error: BaseException | None = None
+
+    def check(self) -> None:
+        """Wait for every rank's header (once); raise if this step cannot start."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+            try:
+                self._verify(self._every.view(-1, len(self._header)).tolist())
+            except BaseException as exc:
+                self._error = exc
+        if self._error is not None:
+            raise self._error
+
+    def _verify(self, rows: list[list[int]]) -> None:
+        what, header = self._what, self._header
+        if self._own is not None:
+            raise self._own
+        unable = [r for r, row in enumerate(rows) if row[3] == 0]
+        if unable:
             raise StepError(
-                f"{what}: ranks disagree on the {field.replace('_', ' ')} before it started "
-                f"({shown}); nothing was communicated or changed. "
-                + _HEADER_HINTS.get(field, ""),
+                f"{what}: rank(s) {unable} could not start it (their own error says why: a "
+                f"consumed state, another model, or a batch that does not split); nothing was "
+                f"communicated or changed",
                 step=header.step + 1,
-                ranks=odd,
+                ranks=unable,
             )
+        for field_index, field in enumerate(Header._fields):
+            values = [row[field_index] for row in rows]
+            if len(set(values)) > 1:
+                by_value: dict[int, list[int]] = {}
+                for rank, value in enumerate(values):
+                    by_value.setdefault(value, []).append(rank)
+                shown = "; ".join(f"{_show(field, v)} on ranks {r}" for v, r in by_value.items())
+                odd = [r for r, v in enumerate(values) if v != values[0]]
+                raise StepError(
+                    f"{what}: ranks disagree on the {field.replace('_', ' ')} before it started "
+                    f"({shown}); nothing was communicated or changed. "
+                    + _HEADER_HINTS.get(field, ""),
+                    step=header.step + 1,
+                    ranks=odd,
+                )
 
 
 _HEADER_HINTS = {

@@ -45,7 +45,13 @@ from fzero.bound import Binder, check_structure
 from fzero.buckets import Completion, Reducer
 from fzero.collect import Pending, SideStreams, Streams, all_gather_bucket
 from fzero.comm import Comm
-from fzero.consensus import Header, StepError, agree_header, exchange_statistics
+from fzero.consensus import (
+    Header,
+    HeaderRound,
+    StepError,
+    agree_header,
+    exchange_statistics,
+)
 from fzero.flat import alias_leaves, all_finite, entry_views, shard_view, unflatten
 from fzero.optim import Schedule, clip_coefficient
 from fzero.residency import (
@@ -210,14 +216,19 @@ def make_train_step(
     ) -> tuple[ShardState, dict[str, Any]]:
         comm = state.config.comm
         control = comm.channel(_CONTROL, host=True)
-        agree_header(control, _header(state, len(micro_batches), kind=0), what="train step",
-                     own=problem)
+        header = HeaderRound(control, _header(state, len(micro_batches), kind=0),
+                             what="train step", own=problem)
+        if problem is not None or state.stage == 3:
+            header.check()  # nothing to compute, or a collective comes first (stage 3 gathers)
+        # Otherwise the header travels during the first forward; the first reduction (or any
+        # other collective) waits for it, and raises with it: see `[Note: agreement points]`.
         before = _counts(comm)
         control_before = control.counters.total()
         buffers_now = {name: b.clone() for name, b in state.buffers.items()}
         side = streams if streams is not None else Streams.for_device(state.config.device)
         run = _run(state, model, binder, loss_fn, micro_batches, buffers_now, prefetch, side,
-                   sync_buffers=buffers == "broadcast")
+                   sync_buffers=buffers == "broadcast", gate=header.check)
+        header.check()  # no-op when a reduction waited for it already
         grads = run.grads
         if run.failure is None and not run.aborted:
             _unscale(grads, state)
@@ -428,12 +439,14 @@ def _run(
     streams: SideStreams | None,
     *,
     sync_buffers: bool,
+    gate: Callable[[], None],
 ) -> _Run:
-    """Forward and backward of every micro-batch, with the stage's gradient reductions."""
+    """Forward and backward of every micro-batch, with the stage's gradient reductions, each
+    launched after `gate()` (which raises when the step must not communicate)."""
     scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
     factor = scale / len(micro_batches)
     session_of = (_sharded(state, model, prefetch, streams, train=True) if state.stage == 3
-                  else _replicated(state, streams))
+                  else _replicated(state, streams, gate))
     losses: list[Tensor] = []
     failure: BaseException | None = None
     comm = state.config.comm
@@ -446,7 +459,7 @@ def _run(
             where = f"train step {state.step + 1}, micro-batch {index + 1}/{len(micro_batches)}"
             with comm.scope(where):
                 if sync_buffers:
-                    _broadcast_buffers(comm, buffers)
+                    _broadcast_buffers(comm, buffers, gate)
                 if failure is not None:  # only this rank knows: keep the collective sequence
                     session.skip(last)
                     continue
@@ -458,6 +471,7 @@ def _run(
                 except PeerFailed:  # a round showed another rank failed: stop with everyone
                     session.recover(last, peer=True)
                 except Exception as exc:  # every rank must learn of it: see _raise_if_failed
+                    gate()  # unless the step could not start: then every rank raises that
                     failure = exc
                     session.recover(last, peer=False)
         grads = session.finish()
@@ -479,7 +493,9 @@ def _run(
 class _ReplicatedSession:
     """Stages 0-2: full parameters, one leaf per parameter over the flat buffers."""
 
-    def __init__(self, state: ShardState, streams: SideStreams | None) -> None:
+    def __init__(
+        self, state: ShardState, streams: SideStreams | None, gate: Callable[[], None]
+    ) -> None:
         layout, stage = state.layout, state.stage
         self.state = state
         self.streams = streams
@@ -500,6 +516,7 @@ class _ReplicatedSession:
             state.config.comm, layout, self.leaves, state.grads,
             reduce_order(state.trainable, ()), mode=mode,
             reduce_dtype=state.config.reduce_dtype if stage < 2 else None, streams=self.streams,
+            gate=gate,
         )
         self.completion = Completion(layout, self.leaves, self.reducer.complete)
         self.aborted = False
@@ -547,9 +564,9 @@ class _ReplicatedSession:
 
 @contextlib.contextmanager
 def _replicated(
-    state: ShardState, streams: SideStreams | None
+    state: ShardState, streams: SideStreams | None, gate: Callable[[], None]
 ) -> Iterator[_ReplicatedSession]:
-    session = _ReplicatedSession(state, streams)
+    session = _ReplicatedSession(state, streams, gate)
     try:
         yield session
     finally:
@@ -903,13 +920,16 @@ def _bindings(
     return named
 
 
-def _broadcast_buffers(comm: Comm, buffers: Mapping[str, Tensor]) -> None:
-    """Rank 0's buffers onto every rank, as one broadcast of their bytes."""
+def _broadcast_buffers(
+    comm: Comm, buffers: Mapping[str, Tensor], gate: Callable[[], None]
+) -> None:
+    """Rank 0's buffers onto every rank, as one broadcast of their bytes (after `gate()`)."""
     if comm.world_size == 1 or not buffers:
         return
     tensors = [b for b in buffers.values() if b.numel()]
     if not tensors:
         return
+    gate()
     parts = [b.detach().reshape(-1).contiguous().view(torch.uint8) for b in tensors]
     flat = torch.cat(parts)  # (total bytes,)
     comm.broadcast(flat, src=0, label="of rank 0's buffers")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 import fzero
-from fzero.consensus import Header, StepError, agree_header, exchange_statistics
+from fzero.consensus import Header, HeaderRound, StepError, agree_header, exchange_statistics
 
 HEADER = Header(fingerprint=0xABC, stage=3, step=4, micro_batches=2, kind=0)
 
@@ -100,3 +103,66 @@ def test_a_rank_that_cannot_start_raises_its_own_error_and_the_others_step_error
     for rank in (0, 2):
         kind, message, ranks, _ = outcomes[rank]
         assert kind == "StepError" and ranks == (1,) and "could not start" in message
+
+
+def test_a_header_round_checks_once_and_raises_the_same_error_again() -> None:
+    def body(comm: Any) -> Any:
+        odd = HEADER._replace(step=9) if comm.rank == 1 else HEADER
+        header = HeaderRound(comm, odd, what="train step")
+        issued = comm.counters.total()
+        errors = []
+        for _ in range(3):  # every path to a collective calls check(): each must stop there
+            try:
+                header.check()
+            except StepError as exc:
+                errors.append(exc)
+        assert comm.counters.total() == issued  # waiting and raising issue nothing more
+        return len(errors), len({id(e) for e in errors})
+
+    assert fzero.SimWorld(2).run(body) == [(3, 1)] * 2
+
+
+def test_an_agreed_header_round_checks_any_number_of_times() -> None:
+    def body(comm: Any) -> int:
+        header = HeaderRound(comm, HEADER, what="train step")
+        issued = comm.counters.total()
+        for _ in range(3):
+            header.check()
+        return comm.counters.total() - issued
+
+    assert fzero.SimWorld(2).run(body) == [0, 0]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_header_travels_while_stages_0_to_2_compute_the_forward(stage: int) -> None:
+    """Stages 0-2 issue no collective before backward: the first forward runs while the
+    header is in flight (its latency hidden), and the first reduction waits for it. Stage 3
+    gathers before its forward, so it waits for the header first. Rank 1 arrives late: rank
+    0's forward starts before rank 1 even calls the step in stages 0-2 only (the second step:
+    the first opens the control channel, itself a collective)."""
+    late = 0.5
+
+    def body(comm: Any) -> tuple[float, float]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+        started: list[float] = []
+
+        def loss_fn(call: Any, batch: torch.Tensor) -> torch.Tensor:
+            started.append(time.monotonic())
+            return call(batch).square().mean()
+
+        step = fzero.make_train_step(model, loss_fn)
+        state, _ = step(state, torch.ones(2, 4))
+        if comm.rank == 1:
+            time.sleep(late)
+        called = time.monotonic()
+        state, metrics = step(state, torch.ones(2, 4))
+        assert metrics["step"] == 2
+        return started[1], called
+
+    (forward_0, _), (_, called_1) = fzero.SimWorld(2).run(body)
+    if stage == 3:
+        assert forward_0 >= called_1
+    else:
+        assert forward_0 < called_1 - late / 2

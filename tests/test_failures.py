@@ -126,8 +126,10 @@ def test_different_number_of_micro_batches(stage: int, world: int) -> None:
 
 
 def test_different_number_of_micro_batches_on_gloo(gloo_pool: Any) -> None:
+    """Stages 0-2 check the header (in flight over gloo during the forward) at their first
+    reduction, stage 3 before its first gather: every rank raises either way."""
     fail = {BAD_STEP: {BAD_RANK: gb.split_in_two}}
-    for stage in (0, 3):
+    for stage in STAGES:
         outs = gloo_pool(3).run(gb.train_through_failure, gb.Routed().double(), gb.routed_loss,
                                 batches(3), stage=stage, fail=fail)
         assert all(out["errors"][BAD_STEP]["type"] == "StepError" for out in outs)
