@@ -268,13 +268,16 @@ class TorchComm(CommBase):
 
     def _exchange(self, sends: list[Tensor], recvs: list[Tensor]) -> list[Any]:
         """Pairwise: send ``sends[q]`` to and receive ``recvs[q]`` from every other rank q
-        (lists indexed by group rank; this rank's entries are ignored)."""
+        (lists indexed by group rank; this rank's entries are ignored).
+
+        Every receive is posted before any send: gloo then reads a peer's message straight
+        into its destination as it arrives, while this thread is still writing its own (a
+        send writes into the socket from the calling thread; 7 MiB all-gathers between two
+        processes took 0.1-1 ms less this way round)."""
         tag = self._next_tag()
-        works = []
-        for q, peer in enumerate(self._global_ranks):
-            if q != self.rank:
-                works.append(dist.isend(sends[q], peer, group=self.group, tag=tag))
-                works.append(dist.irecv(recvs[q], peer, group=self.group, tag=tag))
+        peers = [(q, peer) for q, peer in enumerate(self._global_ranks) if q != self.rank]
+        works = [dist.irecv(recvs[q], peer, group=self.group, tag=tag) for q, peer in peers]
+        works += [dist.isend(sends[q], peer, group=self.group, tag=tag) for q, peer in peers]
         return works
 
     def _all_gather(self, output: Tensor, input: Tensor, async_op: bool) -> Work | None:
