@@ -166,3 +166,35 @@ def test_the_header_travels_while_stages_0_to_2_compute_the_forward(stage: int) 
         assert forward_0 >= called_1
     else:
         assert forward_0 < called_1 - late / 2
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_forward_that_raises_while_the_header_disagrees_raises_the_header(stage: int) -> None:
+    """Rank 0 cannot start (a consumed state); rank 1 computes meanwhile and its loss_fn
+    raises: rank 1 must not report its own error through the statistics round (rank 0 never
+    joins it) but raise what the header says, at once."""
+
+    def body(comm: Any) -> tuple[str, str]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+
+        def loss_fn(call: Any, batch: torch.Tensor) -> torch.Tensor:
+            if comm.rank == 1 and calls:
+                raise RuntimeError("rank 1's forward failed")
+            calls.append(1)
+            return call(batch).square().mean()
+
+        calls: list[int] = []
+        step = fzero.make_train_step(model, loss_fn)
+        consumed = state
+        state, _ = step(state, torch.ones(2, 4))
+        try:
+            step(consumed if comm.rank == 0 else state, torch.ones(2, 4))
+        except (StepError, ValueError) as exc:
+            return type(exc).__name__, str(exc)
+        return "none", ""
+
+    (kind_0, _), (kind_1, message_1) = fzero.SimWorld(2, timeout=5.0).run(body)
+    assert kind_0 == "ValueError"
+    assert kind_1 == "StepError" and "rank(s) [0] could not start" in message_1
