@@ -726,11 +726,13 @@ def _header(state: ShardState, micro_batches: int, *, kind: int) -> Header:
 def _exchange(state: ShardState, run: _Run, control: Comm) -> Any:
     comm = state.config.comm
     own = run.failure
-    loss_sum = float(torch.stack(run.losses).double().mean()) if run.losses and not own else 0.0
+    loss = torch.stack(run.losses).double().mean() if run.losses and not own else None
+    norm = _squared_norm(run.grads, state) if not (own or run.aborted) else None
+    loss_sum, squared_norm = _on_host(loss, norm)
     channels = [comm, *([comm.channel(_GATHER)] if state.stage == 3 else [])]
     return exchange_statistics(
         control,
-        squared_norm=_squared_norm(run.grads, state) if not (own or run.aborted) else 0.0,
+        squared_norm=squared_norm,
         loss_sum=loss_sum,
         rows=run.rows,
         failed=None if own is None else f"{type(own).__name__}: {own}",
@@ -824,13 +826,25 @@ def _nonfinite_parameters(state: ShardState) -> list[str]:
     return names
 
 
-def _squared_norm(grads: Sequence[Tensor], state: ShardState) -> float:
-    """This rank's share of the global squared gradient norm."""
+def _squared_norm(grads: Sequence[Tensor], state: ShardState) -> Tensor | None:
+    """This rank's share of the global squared gradient norm (float64, on the grads' device;
+    None for no share)."""
     if not grads or (state.stage == 0 and state.rank != 0):  # stage 0: identical on all ranks
-        return 0.0
+        return None
     master = state.config.master_dtype
     norms = torch._foreach_norm([g if g.dtype == master else g.to(master) for g in grads])
-    return float(torch.stack(norms).to(torch.float64).pow(2).sum())
+    return torch.stack(norms).to(torch.float64).pow(2).sum()
+
+
+def _on_host(*values: Tensor | None) -> list[float]:
+    """Float64 scalars (None: 0.0) as Python floats, in one device-to-host copy: each copy
+    waits for the device, and the step needs the loss and the norm at the same point."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return [0.0] * len(values)
+    device = present[0].device
+    copied = iter(torch.stack([v.to(device) for v in present]).tolist())
+    return [next(copied) if v is not None else 0.0 for v in values]
 
 
 def _unscale(grads: list[Tensor], state: ShardState) -> None:

@@ -722,3 +722,27 @@ def test_split_batch_rank_slices_cover_the_batch() -> None:
         parts = [split_batch(batch, r, world) for r in range(world)]
         for i, tensor in enumerate(batch):
             assert torch.equal(torch.cat([p[i] for p in parts]), tensor)
+
+
+def test_the_loss_and_the_norm_reach_the_host_in_one_copy_with_every_bit() -> None:
+    """`_on_host` stacks what is there into one tensor (a GPU waits once, not once per value)
+    and returns exactly what a float() of each would, with 0.0 for what is absent."""
+    from fzero.step import _on_host
+
+    loss = torch.tensor(1 / 3, dtype=torch.float64)
+    norm = torch.tensor(2.0**-60 + 1e-300, dtype=torch.float64)
+    assert _on_host(loss, norm) == [float(loss), float(norm)]
+    assert _on_host(None, norm) == [0.0, float(norm)]
+    assert _on_host(loss, None) == [float(loss), 0.0]
+    assert _on_host(None, None) == [0.0, 0.0]
+    copies = []
+    real_tolist = torch.Tensor.tolist
+
+    def counted(self):  # noqa: ANN001, ANN202
+        copies.append(self.shape)
+        return real_tolist(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "tolist", counted)
+        _on_host(loss, norm)
+    assert copies == [torch.Size([2])]
