@@ -20,8 +20,9 @@ its own business (releasing needs no collective):
   gathers their bucket again, releasing nothing (one autograd node may unpack parameters of
   two buckets). Between nodes, when a bucket's gradient is complete (`on_grads_complete`),
   every bucket except the one backward works on, the positions ahead and pinned ones is
-  released. The bucket forward ended with is not released when backward starts with it and
-  every rank holds it (`end_phase(keep=True)`): backward uses it without gathering it again.
+  released. The buckets forward ended with (its last use, and the one before it if still
+  gathered) are not released when backward starts with them and every rank holds them
+  (`end_phase(keep=True)`): backward uses them without gathering them again.
 - Recomputation (activation checkpointing) runs module forwards during backward: their
   pre-hooks gather and *pin* the buckets, because non-reentrant checkpointing keeps the
   recomputed tensors without packing them. A pin ends when the bucket's gradient is complete,
@@ -45,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import torch
@@ -61,6 +62,7 @@ from fzero.schedule import (
     DONE,
     FAILED,
     HEADER_WIDTH,
+    HELD_SLOTS,
     RUNNING,
     BucketOrder,
     agreed,
@@ -182,14 +184,14 @@ class Residency:
         self.current: int | None = None
         self.failed: set[int] = set()
         self.aborted = False
-        self.carried: int | None = None  # kept gathered from the last phase into the next
+        self.carried: tuple[int, ...] = ()  # kept gathered from the last phase into the next
 
     # -- phases --
 
     def begin(self, phase: str) -> None:
         """Start a ``"forward"`` or ``"backward"`` phase: gather along the agreed sequence,
-        issuing the first `prefetch` positions now (the first one is already there when the
-        previous phase carried it: see `end_phase`)."""
+        issuing the first `prefetch` positions now (the first ones are already there when the
+        previous phase carried them: see `end_phase`)."""
         assert phase in ("forward", "backward"), phase
         self.phase = phase
         self.sequence = self.order.forward if phase == "forward" else self.order.backward
@@ -200,11 +202,11 @@ class Residency:
         self.current: int | None = None
         self.failed: set[int] = set()
         self.aborted = False
-        carried, self.carried = self.carried, None
-        if carried is not None:  # gathered by every rank, kept: position 0 is issued
-            assert self.sequence[:1] == (carried,), (self.sequence, carried)
-            self.issued = 1
-            self.fresh.add(carried)
+        carried, self.carried = self.carried, ()
+        if carried:  # gathered by every rank, kept: the first positions are issued
+            assert self.sequence[: len(carried)] == carried, (self.sequence, carried)
+            self.issued = len(carried)
+            self.fresh.update(carried)
         self._issue_until(self.prefetch - 1)
 
     def end_phase(self, status: int = DONE, *, keep: bool = False) -> PhaseEnd:
@@ -212,23 +214,24 @@ class Residency:
         of the sequence and in rounds until every rank is done, agree on the sequence used
         (it becomes the phase's sequence in `order`), and release everything.
 
-        With `keep` (a forward that backward follows), the bucket this rank used last stays
-        gathered when every rank holds the same one and backward's agreed sequence starts
-        with it: backward then uses it without gathering it again (`carried`, decided from
-        the last round's headers alike on every rank)."""
+        With `keep` (a forward that backward follows), the buckets this rank used last (the
+        last one, and the one before it if still gathered, within ``1 + prefetch``) stay
+        gathered when every rank holds the same ones and backward's agreed sequence starts
+        with them: backward then uses them without gathering them again (`carried`, decided
+        from the last round's headers alike on every rank)."""
         assert not keep or self.phase == "forward", self.phase
         self._leave_sequence()
-        held = self.current if keep and status == DONE and self.current in self.resident else None
+        held = self._held() if keep and status == DONE else ()
         while True:
             headers = self._round(status, None, held=held)
             if phase_over(headers):
                 break
         sequence = tuple(self.used) if agreed(headers) else self._merge_sequences()
         result = PhaseEnd(sequence, tuple(sorted(self.failed)), self.aborted)
-        carry = carried(headers, self.order.backward) if keep and not self.aborted else None
+        carry = carried(headers, self.order.backward) if keep and not self.aborted else ()
         self.release_all(but=carry)
-        if carry is not None:
-            self._wait(carry)  # a gather of the rest of the sequence may have rewritten it
+        for index in carry:
+            self._wait(index)  # a gather of the rest of the sequence may have rewritten it
         self.carried = carry
         self.active = [0] * len(self.active)
         self.pinned = [0] * len(self.pinned)
@@ -238,6 +241,20 @@ class Residency:
             else BucketOrder(self.order.forward, sequence)
         )
         return result
+
+    def _held(self) -> tuple[int, ...]:
+        """What this rank can keep for the next phase: the bucket of its last use if still
+        gathered, then those of the uses before it that still are, the latest first; at most
+        `HELD_SLOTS` and ``1 + prefetch`` (the gathered budget)."""
+        if self.current is None or self.current not in self.resident:
+            return ()
+        held = [self.current]
+        for index in reversed(self.used):
+            if len(held) == min(HELD_SLOTS, 1 + self.prefetch):
+                break
+            if index in self.resident and index not in held:
+                held.append(index)
+        return tuple(held)
 
     def _merge_sequences(self) -> tuple[int, ...]:
         """Ranks used different sequences: every rank gathers all of them and merges alike."""
@@ -300,10 +317,10 @@ class Residency:
             self.allocated.discard(index)
             self.live_bytes -= self.nbytes[index]
 
-    def release_all(self, *, but: int | None = None) -> None:
-        """Free every gathered or in-flight bucket (`but` one)."""
+    def release_all(self, *, but: Collection[int] = ()) -> None:
+        """Free every gathered or in-flight bucket (`but` these)."""
         for index in sorted(self.allocated | set(self.inflight)):
-            if index != but:
+            if index not in but:
                 self.release(index)
 
     def _ahead(self) -> set[int]:
@@ -331,7 +348,7 @@ class Residency:
             self.rounds = True
 
     def _round(
-        self, status: int, need: int | None, *, held: int | None = None
+        self, status: int, need: int | None, *, held: Sequence[int] = ()
     ) -> list[list[int]]:
         """One round on the control channel; every rank then gathers the served buckets."""
         n = self.control.world_size
@@ -365,7 +382,7 @@ class Residency:
             if position is None:  # off the sequence: take part in its rest, then ask
                 self._leave_sequence()
                 if evict:
-                    self._evict({index})
+                    self._evict(self._keeping(index))
                 self._round(RUNNING, index)
                 self.fresh.discard(index)
                 if self.aborted:
@@ -377,15 +394,35 @@ class Residency:
             else:  # later in the sequence: take part in the positions before it
                 self.cursor = position
                 if evict:
-                    self._evict({index, *self._ahead()})
+                    self._evict(self._keeping(index))
                 self._pass(position)
                 self._issue_until(position)
                 self.fresh.discard(index)
         if not self.rounds:
             if evict:
-                self._evict({index, *self._ahead()})
+                self._evict(self._keeping(index))
             self._issue_until(self.cursor + self.prefetch)
         self._wait(index)
+
+    def _keeping(self, index: int) -> set[int]:
+        """What a forward use of bucket `index` keeps gathered: it, the positions issued
+        ahead, and, while the positions it will prefetch leave room in the ``1 + prefetch``
+        budget (near the end of the sequence), the buckets of the latest uses before it: the
+        first ones backward needs, which `end_phase` can then carry into backward instead of
+        gathering them again. Off the sequence (rounds serve other ranks' needs too) it keeps
+        only `index` and what is ahead."""
+        keep = {index, *self._ahead()}
+        if self.rounds:
+            return keep
+        coming = set(self.sequence[self.cursor + 1 : self.cursor + 1 + self.prefetch])
+        room = 1 + self.prefetch - len(keep | coming)
+        for used in reversed(self.used):
+            if room <= 0:
+                break
+            if used in self.resident and used not in keep and used not in coming:
+                keep.add(used)
+                room -= 1
+        return keep
 
     def _record(self, index: int) -> None:
         if not self.used or self.used[-1] != index:

@@ -21,10 +21,11 @@ depend on what one rank's computation happened to do:
   gather the same buckets, `serve(headers)`, in the same order. Ranks join rounds when they
   leave the sequence or finish the phase, and keep joining (status `DONE`) until
   `phase_over`. A regular step therefore costs one round per phase.
-- The last round of a forward also carries the bucket each rank still holds from its last use.
-  When every rank holds the same one and the backward's sequence starts with it, `carried`,
-  that position is not gathered again: every rank already has it (as FSDP2 keeps its root
-  module's parameters from forward into backward).
+- The last round of a forward also carries the buckets each rank still holds from its last
+  uses (up to `HELD_SLOTS`: the last one, and the one before it if still gathered). The
+  positions the backward's sequence starts with that every rank holds, `carried`, are not
+  gathered again: every rank already has them (as FSDP2 keeps its root module's parameters
+  from forward into backward).
 - The sequence a rank used (its needs, in order) is the next phase's sequence; the last round
   carries each rank's fingerprint of it, and when ranks used different sequences every rank
   adopts the same `merge` of all of them.
@@ -43,6 +44,7 @@ __all__ = [
     "DONE",
     "FAILED",
     "HEADER_WIDTH",
+    "HELD_SLOTS",
     "RUNNING",
     "BucketOrder",
     "agreed",
@@ -61,9 +63,13 @@ RUNNING, DONE, FAILED, ABORTED = 0, 1, 2, 3
 """A rank's status in a gather round: still computing the phase, finished it, failed (its own
 computation raised), or stopped because another rank failed."""
 
-HEADER_WIDTH = 5
+HELD_SLOTS = 2
+"""Most buckets a rank reports holding at the end of a phase (its last two uses): what fits the
+``1 + prefetch`` gathered buckets of the default prefetch."""
+
+HEADER_WIDTH = 4 + HELD_SLOTS
 """Elements of one rank's round header: status, need, a 60-bit fingerprint in two halves, and
-the bucket the rank holds for the next phase."""
+the buckets the rank holds for the next phase."""
 
 _HALF = 2**30
 
@@ -83,22 +89,25 @@ def fingerprint(sequence: Sequence[int]) -> int:
 
 
 def header(
-    status: int, need: int | None, used: Sequence[int], held: int | None = None
+    status: int, need: int | None, used: Sequence[int], held: Sequence[int] = ()
 ) -> list[int]:
     """One rank's round header: ``[status, need or -1, fingerprint(used) in two halves,
-    held or -1]``, where `held` is a bucket this rank keeps gathered into the next phase.
+    *held]``, `held` (the buckets this rank keeps gathered into the next phase, at most
+    `HELD_SLOTS`, distinct) padded with -1.
 
     Raises:
-        ValueError: an unknown status or a negative bucket index.
+        ValueError: an unknown status, a negative bucket index, or more or repeated `held`.
     """
     if status not in (RUNNING, DONE, FAILED, ABORTED):
         raise ValueError(f"unknown round status {status!r}")
-    for name, index in (("need", need), ("held", held)):
+    for name, index in (("need", need), *(("held", h) for h in held)):
         if index is not None and index < 0:
             raise ValueError(f"bucket indices are >= 0, got {name}={index}")
+    if len(held) > HELD_SLOTS or len(set(held)) != len(held):
+        raise ValueError(f"held must be at most {HELD_SLOTS} distinct buckets, got {held!r}")
     value = fingerprint(used)
     return [status, -1 if need is None else need, value // _HALF, value % _HALF,
-            -1 if held is None else held]
+            *held, *[-1] * (HELD_SLOTS - len(held))]
 
 
 def serve(headers: Sequence[Sequence[int]]) -> list[int]:
@@ -126,14 +135,18 @@ def agreed(headers: Sequence[Sequence[int]]) -> bool:
     return len({(row[2], row[3]) for row in headers}) == 1
 
 
-def carried(headers: Sequence[Sequence[int]], following: Sequence[int]) -> int | None:
-    """The bucket the next phase need not gather at its first position: the one every rank
-    holds (the same on every row), if the `following` sequence starts with it; else None."""
-    held = {row[4] for row in headers}
-    if len(held) != 1:
-        return None
-    (index,) = held
-    return index if index >= 0 and tuple(following[:1]) == (index,) else None
+def carried(headers: Sequence[Sequence[int]], following: Sequence[int]) -> tuple[int, ...]:
+    """The positions the next phase need not gather: the longest start of the `following`
+    sequence made of distinct buckets that every rank holds (on every row); empty when the
+    sequence starts with a bucket some rank does not hold."""
+    held = set.intersection(*({i for i in row[4 : 4 + HELD_SLOTS] if i >= 0}
+                              for row in headers)) if headers else set()
+    prefix: list[int] = []
+    for index in following:
+        if index not in held or index in prefix:
+            break
+        prefix.append(index)
+    return tuple(prefix)
 
 
 def next_position(sequence: Sequence[int], bucket: int, start: int) -> int | None:

@@ -16,7 +16,7 @@ to gradients and parameters depends on the stage (docs/design.md's table):
 - 2: as 1, but each bucket's gradient is reduce-scattered as soon as backward completes it (per
   micro-batch, accumulating into the rank's gradient shard) and the full gradient freed.
 - 3: parameters exist only as shards; each bucket is all-gathered just before its module's
-  forward and released after, gathered again in backward when autograd needs it (but the one
+  forward and released after, gathered again in backward when autograd needs it (but the ones
   forward ended with, kept), its gradient reduce-scattered when complete (`fzero.residency`).
 
 A step runs in named phases, each a small function below: check the state and the module,

@@ -17,6 +17,7 @@ from fzero.schedule import (
     DONE,
     FAILED,
     HEADER_WIDTH,
+    HELD_SLOTS,
     RUNNING,
     agreed,
     carried,
@@ -115,15 +116,18 @@ def test_round_summaries(rows: list[tuple[int, int]]) -> None:
     assert failed_ranks(table) == [r for r, (status, _) in enumerate(rows) if status == FAILED]
 
 
+held_sets = st.lists(buckets, max_size=HELD_SLOTS, unique=True)
+
+
 @given(st.sampled_from([RUNNING, DONE, FAILED, ABORTED]), st.none() | buckets, sequences,
-       sequences, st.none() | buckets)
+       sequences, held_sets)
 def test_header_carries_the_fingerprint(status: int, need: int | None, used: list[int],
-                                        other: list[int], held: int | None) -> None:
+                                        other: list[int], held: list[int]) -> None:
     row = header(status, need, used, held)
     assert len(row) == HEADER_WIDTH and row[:2] == [status, -1 if need is None else need]
     assert row[2] * 2**30 + row[3] == fingerprint(used) < 2**60
     assert all(0 <= x < 2**31 for x in row[2:4])  # fits the int64 exchange with room
-    assert row[4] == (-1 if held is None else held)
+    assert row[4:] == held + [-1] * (HELD_SLOTS - len(held))
     assert agreed([row, header(DONE, None, used)])
     assert agreed([row, header(DONE, None, other)]) == (fingerprint(used) == fingerprint(other))
     if tuple(used) == tuple(other):
@@ -136,27 +140,39 @@ def test_header_validates() -> None:
     with pytest.raises(ValueError, match="need=-2"):
         header(RUNNING, -2, [])
     with pytest.raises(ValueError, match="held=-1"):
-        header(DONE, None, [], -1)
+        header(DONE, None, [], [-1])
+    with pytest.raises(ValueError, match="at most 2 distinct"):
+        header(DONE, None, [], [3, 3])
+    with pytest.raises(ValueError, match="at most 2 distinct"):
+        header(DONE, None, [], [1, 2, 3])
 
 
-@given(st.lists(st.none() | buckets, min_size=1, max_size=4), sequences)
+@given(st.lists(held_sets, min_size=1, max_size=4), sequences)
 def test_carried_is_what_every_rank_holds_and_the_next_phase_starts_with(
-        held: list[int | None], following: list[int]) -> None:
+        held: list[list[int]], following: list[int]) -> None:
     rows = [header(DONE, None, [], h) for h in held]
     carry = carried(rows, following)
-    if carry is None:  # someone holds nothing, ranks differ, or the next phase starts elsewhere
-        assert None in held or len(set(held)) > 1 or following[:1] != [held[0]]
-    else:
-        assert set(held) == {carry} and following[0] == carry
+    # a start of the next phase's sequence, of distinct buckets every rank holds
+    assert tuple(following[: len(carry)]) == carry and len(set(carry)) == len(carry)
+    assert all(set(carry) <= set(h) for h in held)
+    # the longest such start: the next position is not held by some rank, or repeats one kept
+    rest = following[len(carry):]
+    assert not rest or any(rest[0] not in h for h in held) or rest[0] in carry
 
 
 def test_carried_examples() -> None:
-    done = [header(DONE, None, [0, 1], 1), header(DONE, None, [0, 1], 1)]
-    assert carried(done, (1, 0)) == 1
-    assert carried(done, (0, 1)) is None  # backward starts elsewhere
-    assert carried(done, ()) is None  # no sequence yet (the first step)
-    assert carried([done[0], header(DONE, None, [0, 1])], (1, 0)) is None  # rank 1 holds none
-    assert carried([done[0], header(DONE, None, [0, 1], 0)], (1, 0)) is None
+    done = [header(DONE, None, [0, 1], [1]), header(DONE, None, [0, 1], [1])]
+    assert carried(done, (1, 0)) == (1,)
+    assert carried(done, (0, 1)) == ()  # backward starts elsewhere
+    assert carried(done, ()) == ()  # no sequence yet (the first step)
+    assert carried([done[0], header(DONE, None, [0, 1])], (1, 0)) == ()  # rank 1 holds none
+    assert carried([done[0], header(DONE, None, [0, 1], [0])], (1, 0)) == ()
+    two = [header(DONE, None, [0, 1], [1, 0]), header(DONE, None, [1, 0], [0, 1])]
+    assert carried(two, (1, 0, 2)) == (1, 0)  # both, in backward's order
+    assert carried(two, (1, 2, 0)) == (1,)  # the second position is not held
+    assert carried(two, (1, 1)) == (1,)  # a bucket is carried once
+    assert carried([two[0], done[0]], (1, 0)) == (1,)  # what every rank holds
+    assert carried([two[0], done[0]], (0, 1)) == ()  # rank 1 does not hold 0
 
 
 @given(st.sets(buckets, max_size=7).map(sorted), sequences)

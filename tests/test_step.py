@@ -471,11 +471,12 @@ def test_comm_bytes_per_step_follow_the_table(dtype: torch.dtype | None, accum: 
 
 @pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("world", [2, 3])
-def test_stage3_backward_keeps_the_bucket_forward_ended_with(world: int, accum: int) -> None:
+def test_stage3_backward_keeps_the_buckets_forward_ended_with(world: int, accum: int) -> None:
     """Six one-Linear buckets: from the second step on (an agreed backward sequence), each
-    backward starts with the last layer's bucket, which forward left gathered on every rank:
-    it is not gathered again, and the parameters end as stage 0's. (Backward never gathers the
-    first layer's bucket: its input needs no gradient, so its weight is not needed.)"""
+    backward starts with the last two layers' buckets, which forward left gathered on every
+    rank (its last position prefetches nothing, so the one before stays within 1 + prefetch):
+    they are not gathered again, and the parameters end as stage 0's. (Backward never gathers
+    the first layer's bucket: its input needs no gradient, so its weight is not needed.)"""
     steps = 3
     out = run(world, sb.train_body, sb.Deep(), global_batches("Deep"), steps, stage=3,
               accum=accum)[0]
@@ -485,12 +486,12 @@ def test_stage3_backward_keeps_the_bucket_forward_ended_with(world: int, accum: 
     layout = out["layout"]
     assert [b.names[0] for b in layout.buckets] == [f"layers.{i}.weight" for i in range(6)]
     ring = [ring_bytes("all_gather", b.padded_numel, 4, world) for b in layout.buckets]
-    forward, backward = sum(ring), sum(ring[1:])
+    forward, backward, kept = sum(ring), sum(ring[1:]), ring[-1] + ring[-2]
     first, *later = out["metrics"]
     assert first["comm_bytes_by_kind"]["all_gather"] == (
-        accum * (forward + backward) - (accum - 1) * ring[-1])
+        accum * (forward + backward) - (accum - 1) * kept)
     for m in later:
-        assert m["comm_bytes_by_kind"]["all_gather"] == accum * (forward + backward - ring[-1])
+        assert m["comm_bytes_by_kind"]["all_gather"] == accum * (forward + backward - kept)
         assert m["comm_bytes_by_kind"]["reduce_scatter"] == accum * sum(ring)
 
 
@@ -517,9 +518,13 @@ def test_stage3_gathered_peak_is_bounded_by_prefetch(prefetch: int, world: int) 
 
 
 def test_stage3_no_prefetch_holds_one_bucket() -> None:
+    """prefetch=0: one bucket at a time, so forward carries only its last one into backward."""
     out = run(2, sb.train_body, sb.Deep(), global_batches("Deep"), 2, stage=3, prefetch=0)[0]
     largest = bucket_bytes(out["layout"])[0]
     assert [m["gathered_bytes_peak"] for m in out["metrics"]] == [largest, largest]
+    ring = [ring_bytes("all_gather", b.padded_numel, 4, 2) for b in out["layout"].buckets]
+    later = out["metrics"][1]["comm_bytes_by_kind"]["all_gather"]
+    assert later == sum(ring) + sum(ring[1:]) - ring[-1]
 
 
 @pytest.mark.parametrize("prefetch", [1, 2])
