@@ -248,13 +248,19 @@ class Residency:
         `HELD_SLOTS` and ``1 + prefetch`` (the gathered budget)."""
         if self.current is None or self.current not in self.resident:
             return ()
-        held = [self.current]
+        limit = min(HELD_SLOTS, 1 + self.prefetch)
+        return (self.current, *self._latest_gathered(limit - 1, besides={self.current}))
+
+    def _latest_gathered(self, count: int, *, besides: Collection[int]) -> list[int]:
+        """Up to `count` buckets of this rank's latest uses that are still gathered, the latest
+        first, none of `besides`."""
+        found: list[int] = []
         for index in reversed(self.used):
-            if len(held) == min(HELD_SLOTS, 1 + self.prefetch):
+            if len(found) >= count:
                 break
-            if index in self.resident and index not in held:
-                held.append(index)
-        return tuple(held)
+            if index in self.resident and index not in besides and index not in found:
+                found.append(index)
+        return found
 
     def _merge_sequences(self) -> tuple[int, ...]:
         """Ranks used different sequences: every rank gathers all of them and merges alike."""
@@ -414,15 +420,8 @@ class Residency:
         keep = {index, *self._ahead()}
         if self.rounds:
             return keep
-        coming = set(self.sequence[self.cursor + 1 : self.cursor + 1 + self.prefetch])
-        room = 1 + self.prefetch - len(keep | coming)
-        for used in reversed(self.used):
-            if room <= 0:
-                break
-            if used in self.resident and used not in keep and used not in coming:
-                keep.add(used)
-                room -= 1
-        return keep
+        coming = keep | set(self.sequence[self.cursor + 1 : self.cursor + 1 + self.prefetch])
+        return keep | set(self._latest_gathered(1 + self.prefetch - len(coming), besides=coming))
 
     def _record(self, index: int) -> None:
         if not self.used or self.used[-1] != index:
