@@ -12,10 +12,18 @@ wrapper module whose only child is the user's model: the substitution lasts exac
 anything may read it, and the module is left as it was afterwards. Every name of a tied
 parameter is bound explicitly, so a tie the module lost (``model.to("meta")`` unties) does not
 matter; a tie the module gained, or a shape it changed, is an error (`check_structure`).
+
+Buffers are bound the same way, from the state's copies, which every rank must hold alike:
+rank 0's are broadcast into the others' each step (``buffers="broadcast"``), byte for byte. A
+buffer the module has and the state lacks would read the module's own, unsynchronized tensor,
+and ranks whose buffers differ in name or shape would pair unrelated bytes; so the module's
+buffers are checked against the state's (`check_buffers`) and the ranks compare a fingerprint of
+them (`buffers_fingerprint`) before anything moves.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -24,7 +32,7 @@ from torch.func import functional_call
 
 from fzero.layout import ShardLayout
 
-__all__ = ["Binder", "check_structure"]
+__all__ = ["Binder", "buffers_fingerprint", "check_buffers", "check_structure"]
 
 T = TypeVar("T")
 
@@ -109,3 +117,35 @@ def check_structure(model: nn.Module, layout: ShardLayout) -> None:
                     f"model.tie_weights()), or move the module to 'meta' if you only need it "
                     f"as a function (fzero binds every tied name to the state's one tensor)"
                 )
+
+
+def check_buffers(model: nn.Module, buffers: Mapping[str, Tensor]) -> None:
+    """Raise if `model`'s buffers are not the state's `buffers` (names and shapes).
+
+    The dtypes may differ: ``fzero.init(param_dtype=...)`` casts the state's floating buffers
+    as ``model.to(param_dtype)`` would, and leaves the module alone.
+
+    Raises:
+        ValueError: naming the buffers only in the state, only in the model, and the shapes
+            that differ.
+    """
+    named = dict(model.named_buffers())
+    missing = sorted(set(buffers) - set(named))
+    extra = sorted(set(named) - set(buffers))
+    wrong = sorted(
+        f"{name}: state {tuple(buffers[name].shape)} vs model {tuple(t.shape)}"
+        for name, t in named.items()
+        if name in buffers and t.shape != buffers[name].shape
+    )
+    if missing or extra or wrong:
+        raise ValueError(
+            f"the state's buffers are not the model's: buffers only in the state {missing[:5]}, "
+            f"only in the model {extra[:5]}, shapes differing {wrong[:5]} (a buffer registered "
+            f"or replaced after fzero.init; build the state again, or register it before init)"
+        )
+
+
+def buffers_fingerprint(buffers: Mapping[str, Tensor]) -> str:
+    """A 16-hex-digit hash of the buffers' names, shapes and dtypes, in order (not values)."""
+    described = [(name, tuple(t.shape), str(t.dtype)) for name, t in buffers.items()]
+    return hashlib.blake2b(repr(described).encode(), digest_size=8).hexdigest()

@@ -5,7 +5,7 @@ A step exchanges two small messages on the control channel, so that every rank t
 decision from the same data:
 
 - Before any bucket moves, the step `header`: layout fingerprint, stage, step number, number of
-  micro-batches, kind of step. A rank resumed from another checkpoint, given another number of
+  micro-batches, kind of step, fingerprint of the buffers. A rank resumed from another checkpoint, given another number of
   micro-batches or another model makes every rank raise here, state untouched. The header
   need not arrive before the computation starts, only before the first collective: a train
   step of stages 0-2 (which communicate first in backward) starts it (`HeaderRound`), runs
@@ -58,6 +58,7 @@ class Header(NamedTuple):
     step: int  # the state's step (optimizer steps applied)
     micro_batches: int
     kind: int  # 0: train step, 1: eval step
+    buffers: int  # fingerprint of the state's buffer names, shapes and dtypes as an int
 
 
 def agree_header(
@@ -152,11 +153,13 @@ _HEADER_HINTS = {
     "step": "Every rank must resume from the same checkpoint and call the step as often.",
     "micro_batches": "Every rank must split its batch into the same number of micro-batches.",
     "kind": "Every rank must call the same kind of step (train or eval) at the same time.",
+    "buffers": "Every rank must hold the same buffers (names, shapes, dtypes): rank 0's are "
+               "broadcast into the others' byte for byte.",
 }
 
 
 def _show(field: str, value: int) -> str:
-    return f"{value:#x}" if field == "fingerprint" else str(value)
+    return f"{value:#x}" if field in ("fingerprint", "buffers") else str(value)
 
 
 class Statistics(NamedTuple):

@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from fzero import memory
+from fzero.bound import buffers_fingerprint
 from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite, flatten, shard_view
 from fzero.layout import Bucket, Entry, ShardLayout, plan
@@ -380,6 +381,9 @@ def init(
         master_dtype = _default_master_dtype(source_layout)
     fingerprint_check(comm, layout.fingerprint, "layout fingerprint (parameter names, shapes "
                       "and dtypes)")
+    module_buffers = dict(model.named_buffers()) if isinstance(model, nn.Module) else {}
+    fingerprint_check(comm, buffers_fingerprint(module_buffers), "buffers fingerprint (buffer "
+                      "names, shapes and dtypes)")
     source = _bucket_source(model, comm.rank, device, init_fn, load)
     params, grads, master = [], [], []
     for index, bucket in enumerate(source_layout.buckets):

@@ -41,7 +41,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from fzero.bound import Binder, check_structure
+from fzero.bound import Binder, buffers_fingerprint, check_buffers, check_structure
 from fzero.buckets import Completion, Reducer
 from fzero.collect import Pending, SideStreams, Streams, all_gather_bucket
 from fzero.comm import Comm
@@ -198,7 +198,7 @@ def make_train_step(
         micro_batches: list[Any] = []
         try:  # checks that may fail on one rank only: reported to all through the header
             check_live(state, "step")
-            check_structure(model, state.layout)
+            _check_model(model, state)
             if not state.trainable:
                 raise ValueError("step: the state has no trainable parameter (every parameter "
                                  "is frozen): there is nothing to train; use make_eval_step")
@@ -309,7 +309,7 @@ def make_eval_step(
                             f"{type(state).__name__}")
         if state.stage < 3:  # local: no collective, so checks may raise here
             check_live(state, "evaluate")
-            check_structure(model, state.layout)
+            _check_model(model, state)
         buffers = {name: b.clone() for name, b in state.buffers.items()}
         if state.stage < 3:
             leaves = [entry_views(flat, bucket)
@@ -320,7 +320,7 @@ def make_eval_step(
         problem: Exception | None = None
         try:
             check_live(state, "evaluate")
-            check_structure(model, state.layout)
+            _check_model(model, state)
         except (TypeError, ValueError) as exc:
             problem = exc
         control = state.config.comm.channel(_CONTROL, host=True)
@@ -718,9 +718,16 @@ def _sharded(
 # --- the phases after backward ----------------------------------------------------------------
 
 
+def _check_model(model: nn.Module, state: ShardState) -> None:
+    """Raise if `model` is not the one `state` was built for (parameters, ties, buffers)."""
+    check_structure(model, state.layout)
+    check_buffers(model, state.buffers)
+
+
 def _header(state: ShardState, micro_batches: int, *, kind: int) -> Header:
     fingerprint = int(state.layout.fingerprint, 16) >> 4  # 60 bits: fits an int64
-    return Header(fingerprint, state.stage, state.step, micro_batches, kind)
+    buffers = int(buffers_fingerprint(state.buffers), 16) >> 4
+    return Header(fingerprint, state.stage, state.step, micro_batches, kind, buffers)
 
 
 def _exchange(state: ShardState, run: _Run, control: Comm) -> Any:

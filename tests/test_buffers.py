@@ -7,6 +7,7 @@ same default process group, different rows on every rank."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -89,3 +90,80 @@ def test_local_buffers_are_each_ranks_own() -> None:
 def test_buffers_policy_is_validated() -> None:
     with pytest.raises(ValueError, match="buffers must be one of"):
         fzero.make_train_step(gb.BatchNormNet(), gb.mse_loss, buffers="sync")
+
+
+# ----------------------------------------------------------------------------------------------
+# Buffers that do not match: every rank raises, before anything moves.
+
+
+def _with_buffer(model: torch.nn.Module, name: str, shape: tuple[int, ...]) -> torch.nn.Module:
+    model.register_buffer(name, torch.zeros(shape, dtype=torch.float64))
+    return model
+
+
+def _step_outcome(comm: Any, *, odd_rank: int, odd: str) -> Any:
+    """One step of a BatchNormNet whose rank `odd_rank` is made odd after init: ``"model"``
+    (its module gains a buffer the state lacks) or ``"state"`` (state and module both carry a
+    buffer rank 0 lacks, so only the ranks' fingerprints can tell)."""
+    model = gb.BatchNormNet()
+    state = fzero.init(model, stage=1, optimizer=gb.make_optimizer(("sgd", gb.SGD)), comm=comm)
+    if comm.rank == odd_rank:
+        _with_buffer(model, "extra", (4,))
+        if odd == "state":
+            state = dataclasses.replace(state, buffers={
+                **state.buffers, "extra": torch.zeros(4, dtype=torch.float64)})
+    step = fzero.make_train_step(model, gb.mse_loss)
+    sent = comm.counters.total()
+    try:
+        step(state, gb.rank_rows(data(comm.world_size)[0], comm.rank, comm.world_size))
+    except Exception as exc:  # reported to the test, per rank
+        return type(exc).__name__, str(exc), comm.counters.total() - sent
+    return None
+
+
+def test_a_buffer_registered_after_init_raises_naming_it() -> None:
+    outcomes = fzero.SimWorld(2).run(_step_outcome, odd_rank=1, odd="model")
+    kind, message, _ = outcomes[1]
+    assert kind == "ValueError" and "only in the model ['extra']" in message
+    kind, message, _ = outcomes[0]
+    assert kind == "StepError" and "rank(s) [1] could not start it" in message
+    assert [moved for *_, moved in outcomes] == [0, 0]  # no bucket moved (the header is control)
+
+
+def test_ranks_holding_different_buffers_raise_before_any_broadcast() -> None:
+    outcomes = fzero.SimWorld(3).run(_step_outcome, odd_rank=2, odd="state")
+    for kind, message, _ in outcomes:
+        assert kind == "StepError"
+        assert "ranks disagree on the buffers before it started" in message
+        assert "nothing was communicated or changed" in message
+    assert [moved for *_, moved in outcomes] == [0, 0, 0]  # no buffer broadcast, no bucket
+
+
+def _init_outcome(comm: Any) -> Any:
+    model = gb.BatchNormNet()
+    if comm.rank == 1:
+        _with_buffer(model, "extra", (4,))
+    try:
+        fzero.init(model, stage=1, optimizer=gb.make_optimizer(("sgd", gb.SGD)), comm=comm)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_init_raises_on_every_rank_when_the_buffers_differ() -> None:
+    for rank, message in enumerate(fzero.SimWorld(2).run(_init_outcome)):
+        assert message is not None and "buffers fingerprint (buffer names, shapes and dtypes) " \
+            "differs across ranks" in message, rank
+
+
+def test_buffers_fingerprint_sees_names_shapes_and_dtypes_not_values() -> None:
+    from fzero.bound import buffers_fingerprint
+    a = {"x": torch.zeros(3), "n": torch.tensor(0)}
+    same_values_aside = {"x": torch.ones(3), "n": torch.tensor(7)}
+    assert buffers_fingerprint(a) == buffers_fingerprint(same_values_aside)
+    for other in ({"y": torch.zeros(3), "n": torch.tensor(0)},
+                  {"x": torch.zeros(4), "n": torch.tensor(0)},
+                  {"x": torch.zeros(3, dtype=torch.float64), "n": torch.tensor(0)},
+                  {"n": torch.tensor(0), "x": torch.zeros(3)},
+                  {"x": torch.zeros(3)}):
+        assert buffers_fingerprint(other) != buffers_fingerprint(a), other

@@ -12,7 +12,7 @@ from torch import nn
 import fzero
 from fzero.consensus import Header, HeaderRound, StepError, agree_header, exchange_statistics
 
-HEADER = Header(fingerprint=0xABC, stage=3, step=4, micro_batches=2, kind=0)
+HEADER = Header(fingerprint=0xABC, stage=3, step=4, micro_batches=2, kind=0, buffers=0xDEF)
 
 
 def statistics_body(comm: Any, *, signatures: dict[int, list[int]], used: dict[int, list[bool]],
@@ -80,6 +80,7 @@ def header_body(comm: Any, *, headers: dict[int, Header], own: dict[int, Excepti
     ("micro_batches", 3, "2 on ranks [0, 1]; 3 on ranks [2]"),
     ("kind", 1, "0 on ranks [0, 1]; 1 on ranks [2]"),
     ("fingerprint", 0xABD, "0xabc on ranks [0, 1]; 0xabd on ranks [2]"),
+    ("buffers", 0xDEE, "0xdef on ranks [0, 1]; 0xdee on ranks [2]"),
 ])
 def test_header_disagreement_raises_on_every_rank(field: str, value: int, shown: str) -> None:
     odd = HEADER._replace(**{field: value})
