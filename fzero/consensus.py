@@ -5,8 +5,9 @@ A step exchanges two small messages on the control channel, so that every rank t
 decision from the same data:
 
 - Before any bucket moves, the step `header`: layout fingerprint, stage, step number, number of
-  micro-batches, kind of step, fingerprint of the buffers. A rank resumed from another checkpoint, given another number of
-  micro-batches or another model makes every rank raise here, state untouched. The header
+  micro-batches, kind of step, fingerprint of the buffers (names, shapes, dtypes). A rank
+  resumed from another checkpoint, given another number of micro-batches or another model
+  makes every rank raise here, state untouched. The header
   need not arrive before the computation starts, only before the first collective: a train
   step of stages 0-2 (which communicate first in backward) starts it (`HeaderRound`), runs
   the forward while it travels, and checks it before the first reduction or buffer broadcast
