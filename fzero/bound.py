@@ -32,7 +32,8 @@ from torch.func import functional_call
 
 from fzero.layout import ShardLayout
 
-__all__ = ["Binder", "buffers_fingerprint", "check_buffers", "check_structure"]
+__all__ = ["Binder", "buffers_fingerprint", "check_buffers", "check_structure",
+           "requires_grad_flags"]
 
 T = TypeVar("T")
 
@@ -66,8 +67,13 @@ class Binder:
         return functional_call(self._runner, prefixed, (fn,), tie_weights=False, strict=False)
 
 
-def check_structure(model: nn.Module, layout: ShardLayout) -> None:
-    """Raise if `model` no longer has the parameters, shapes and ties `layout` was planned for.
+def check_structure(
+    model: nn.Module, layout: ShardLayout, *, requires_grad: Mapping[str, bool] | None = None
+) -> None:
+    """Raise if `model` no longer has the parameters, shapes and ties `layout` was planned for,
+    or (given `requires_grad`, flags taken earlier by `requires_grad_flags`) if a parameter's
+    ``requires_grad`` changed since: which parameters train is fixed when the state is built,
+    and a flag flipped later would otherwise be silently ignored.
 
     A tie in the layout that the module has lost is accepted when the module's tensors are on
     ``meta`` (``model.to("meta")`` after `fzero.init`, to drop the module's memory: fzero binds
@@ -76,10 +82,24 @@ def check_structure(model: nn.Module, layout: ShardLayout) -> None:
 
     Raises:
         ValueError: naming the parameters only in the state or only in the model, the shapes
-            that differ, and the ties that differ.
+            that differ, the ties that differ, and the parameters whose ``requires_grad``
+            changed.
     """
     located = layout.locate()
     named = dict(model.named_parameters(remove_duplicate=False))
+    if requires_grad is not None:
+        flipped = sorted(name for name, t in named.items()
+                         if name in requires_grad and t.requires_grad != requires_grad[name])
+        if flipped:
+            now = {name: named[name].requires_grad for name in flipped[:5]}
+            raise ValueError(
+                f"requires_grad changed after the train step was built: {now} (showing "
+                f"{min(len(flipped), 5)} of {len(flipped)}). Which parameters train is fixed "
+                f"when the state is built (fzero.init's trainable=, default the module's "
+                f"requires_grad then), so the change would be ignored. To train another set, "
+                f"build a new state (e.g. fzero.init(..., load=) from full_params or a "
+                f"checkpoint) and a new step; or restore the flags"
+            )
     missing = sorted(set(located) - set(named))
     extra = sorted(set(named) - set(located))
     wrong = sorted(
@@ -149,3 +169,9 @@ def buffers_fingerprint(buffers: Mapping[str, Tensor]) -> str:
     """A 16-hex-digit hash of the buffers' names, shapes and dtypes, in order (not values)."""
     described = [(name, tuple(t.shape), str(t.dtype)) for name, t in buffers.items()]
     return hashlib.blake2b(repr(described).encode(), digest_size=8).hexdigest()
+
+
+def requires_grad_flags(model: nn.Module) -> dict[str, bool]:
+    """Every parameter name (tied names included) to its ``requires_grad``, for
+    `check_structure` to tell later whether one changed."""
+    return {name: t.requires_grad for name, t in model.named_parameters(remove_duplicate=False)}

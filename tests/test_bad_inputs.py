@@ -39,6 +39,7 @@ import fzero
 from fzero.checkpoint import CheckpointError
 from fzero.comm import Comm
 
+import guarantee_bodies as gb
 from models import MLP, FrozenMix, split_batch
 
 ROWS = 8  # global batch rows: 4 per rank at N = 2
@@ -719,3 +720,44 @@ def test_torch_comm_arguments_over_a_group(monkeypatch: pytest.MonkeyPatch) -> N
                 fzero.TorchComm(shm_min_bytes=bad)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="Group 3 is not registered"):
             fzero.TorchComm(group=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# requires_grad flipped after the step was built: trainability is fixed at init.
+
+
+def _flip_outcome(comm: Any, *, flip_rank: int, flag: bool) -> Any:
+    """Train a step, flip ``requires_grad`` of one parameter on `flip_rank`, step again."""
+    model = gb.BatchNormNet()
+    if flag:  # unfreezing: start with fc1.bias frozen
+        model.fc1.bias.requires_grad_(False)
+    state = fzero.init(model, stage=2, optimizer=gb.make_optimizer(("sgd", gb.SGD)), comm=comm)
+    step = fzero.make_train_step(model, gb.mse_loss)
+    batch = gb.rank_rows(gb.mse_batches(1, rows=4 * comm.world_size, d_in=5, d_out=3)[0],
+                         comm.rank, comm.world_size)
+    state, _ = step(state, batch)
+    if comm.rank == flip_rank:
+        model.fc1.bias.requires_grad_(flag)
+    sent = comm.counters.total()
+    try:
+        step(state, batch)
+    except Exception as exc:  # reported to the test, per rank
+        return type(exc).__name__, str(exc), comm.counters.total() - sent
+    return None
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_flipping_requires_grad_after_the_step_was_built_raises(flag: bool) -> None:
+    outcomes = fzero.SimWorld(2).run(_flip_outcome, flip_rank=1, flag=flag)
+    kind, message, moved = outcomes[1]
+    assert kind == "ValueError" and moved == 0
+    assert f"requires_grad changed after the train step was built: {{'fc1.bias': {flag}}}" in (
+        message)
+    assert "build a new state" in message
+    kind, message, moved = outcomes[0]
+    assert kind == "StepError" and "rank(s) [1] could not start it" in message and moved == 0
+
+
+def test_unchanged_flags_keep_training() -> None:
+    outcomes = fzero.SimWorld(2).run(_flip_outcome, flip_rank=5, flag=True)  # no rank flips
+    assert outcomes == [None, None]
