@@ -71,9 +71,9 @@ def check_structure(
     model: nn.Module, layout: ShardLayout, *, requires_grad: Mapping[str, bool] | None = None
 ) -> None:
     """Raise if `model` no longer has the parameters, shapes and ties `layout` was planned for,
-    or (given `requires_grad`, flags taken earlier by `requires_grad_flags`) if a parameter's
-    ``requires_grad`` changed since: which parameters train is fixed when the state is built,
-    and a flag flipped later would otherwise be silently ignored.
+    or (given `requires_grad`, the flags `requires_grad_flags` took when the state was built)
+    if a parameter's ``requires_grad`` changed since: which parameters train is fixed when the
+    state is built, and a flag flipped later would otherwise be silently ignored.
 
     A tie in the layout that the module has lost is accepted when the module's tensors are on
     ``meta`` (``model.to("meta")`` after `fzero.init`, to drop the module's memory: fzero binds
@@ -93,7 +93,7 @@ def check_structure(
         if flipped:
             now = {name: named[name].requires_grad for name in flipped[:5]}
             raise ValueError(
-                f"requires_grad changed after the train step was built: {now} (showing "
+                f"requires_grad changed after the state was built: {now} (showing "
                 f"{min(len(flipped), 5)} of {len(flipped)}). Which parameters train is fixed "
                 f"when the state is built (fzero.init's trainable=, default the module's "
                 f"requires_grad then), so the change would be ignored. To train another set, "

@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from fzero import memory
-from fzero.bound import buffers_fingerprint
+from fzero.bound import buffers_fingerprint, requires_grad_flags
 from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite, flatten, shard_view
 from fzero.layout import Bucket, Entry, ShardLayout, plan
@@ -96,6 +96,18 @@ class ShardConfig:
     master_dtype: torch.dtype
     reduce_dtype: torch.dtype | None
     device: torch.device
+    # The module's (name, requires_grad) pairs when the state was built from one: a step raises
+    # if a flag changed since (trainability is fixed by the layout; a flip would be ignored).
+    requires_grad: tuple[tuple[str, bool], ...] | None = None
+
+
+def requires_grad_of(
+    model: nn.Module | Mapping[str, Tensor],
+) -> tuple[tuple[str, bool], ...] | None:
+    """`ShardConfig.requires_grad` for a state built from `model` (None for a mapping)."""
+    if not isinstance(model, nn.Module):
+        return None
+    return tuple(requires_grad_flags(model).items())
 
 
 class Lease:
@@ -418,7 +430,8 @@ def init(
     for value in buffers.values():
         if value.numel():
             comm.broadcast(value.view(-1), src=0)
-    config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device)
+    config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device,
+                         requires_grad_of(model))
     float16 = any(b.trainable and b.torch_dtype == torch.float16 for b in layout.buckets)
     loss_scale = LossScale() if float16 else None  # however the model got to float16
     return ShardState(

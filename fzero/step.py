@@ -41,13 +41,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from fzero.bound import (
-    Binder,
-    buffers_fingerprint,
-    check_buffers,
-    check_structure,
-    requires_grad_flags,
-)
+from fzero.bound import Binder, buffers_fingerprint, check_buffers, check_structure
 from fzero.buckets import Completion, Reducer
 from fzero.collect import Pending, SideStreams, Streams, all_gather_bucket
 from fzero.comm import Comm
@@ -137,7 +131,7 @@ def make_train_step(
         model: the module whose forward `call` runs; never mutated. For stage 3 it may live on
             the ``meta`` device (it is only a function there), also after `fzero.init`. Which
             parameters train is fixed by the state: a step raises if a parameter's
-            ``requires_grad`` changed after this call (it would be ignored).
+            ``requires_grad`` changed since the state was built (it would be ignored).
         loss_fn: ``loss_fn(call, batch) -> scalar loss``, the mean over the batch's rows.
         accum_steps: micro-batches per step: every tensor of the batch is split along dim 0
             into this many equal parts (pass `MicroBatches` to give them explicitly).
@@ -197,7 +191,6 @@ def make_train_step(
         raise TypeError(f"decay must be None or a function (name, shape) -> bool, got {decay!r}")
     binder = Binder(model)
     plans: dict[tuple[str, int, int], Any] = {}  # decay ranges per (layout, stage, rank)
-    flags = requires_grad_flags(model)  # a flag flipped after this raises: trainability is fixed
 
     def step(state: ShardState, batch: Any) -> tuple[ShardState, dict[str, Any]]:
         if not isinstance(state, ShardState):
@@ -207,7 +200,7 @@ def make_train_step(
         micro_batches: list[Any] = []
         try:  # checks that may fail on one rank only: reported to all through the header
             check_live(state, "step")
-            _check_model(model, state, requires_grad=flags)
+            _check_model(model, state, requires_grad=state.config.requires_grad)
             if not state.trainable:
                 raise ValueError("step: the state has no trainable parameter (every parameter "
                                  "is frozen): there is nothing to train; use make_eval_step")
@@ -728,11 +721,13 @@ def _sharded(
 
 
 def _check_model(
-    model: nn.Module, state: ShardState, *, requires_grad: Mapping[str, bool] | None = None
+    model: nn.Module, state: ShardState, *,
+    requires_grad: Sequence[tuple[str, bool]] | None = None,
 ) -> None:
     """Raise if `model` is not the one `state` was built for (parameters, ties, buffers; and
-    given `requires_grad`, trainability flags)."""
-    check_structure(model, state.layout, requires_grad=requires_grad)
+    given `requires_grad`, the flags it was built with)."""
+    check_structure(model, state.layout,
+                    requires_grad=dict(requires_grad) if requires_grad is not None else None)
     check_buffers(model, state.buffers)
 
 

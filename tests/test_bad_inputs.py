@@ -723,7 +723,7 @@ def test_torch_comm_arguments_over_a_group(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 # ----------------------------------------------------------------------------------------------
-# requires_grad flipped after the step was built: trainability is fixed at init.
+# requires_grad flipped after the state was built: trainability is fixed with the state.
 
 
 def _flip_outcome(comm: Any, *, flip_rank: int, flag: bool) -> Any:
@@ -747,12 +747,11 @@ def _flip_outcome(comm: Any, *, flip_rank: int, flag: bool) -> Any:
 
 
 @pytest.mark.parametrize("flag", [False, True])
-def test_flipping_requires_grad_after_the_step_was_built_raises(flag: bool) -> None:
+def test_flipping_requires_grad_after_the_state_was_built_raises(flag: bool) -> None:
     outcomes = fzero.SimWorld(2).run(_flip_outcome, flip_rank=1, flag=flag)
     kind, message, moved = outcomes[1]
     assert kind == "ValueError" and moved == 0
-    assert f"requires_grad changed after the train step was built: {{'fc1.bias': {flag}}}" in (
-        message)
+    assert f"requires_grad changed after the state was built: {{'fc1.bias': {flag}}}" in message
     assert "build a new state" in message
     kind, message, moved = outcomes[0]
     assert kind == "StepError" and "rank(s) [1] could not start it" in message and moved == 0
@@ -761,3 +760,42 @@ def test_flipping_requires_grad_after_the_step_was_built_raises(flag: bool) -> N
 def test_unchanged_flags_keep_training() -> None:
     outcomes = fzero.SimWorld(2).run(_flip_outcome, flip_rank=5, flag=True)  # no rank flips
     assert outcomes == [None, None]
+
+
+def _flags_before_init_body(comm: Any) -> None:
+    model = gb.BatchNormNet()
+    step = fzero.make_train_step(model, gb.mse_loss)
+    model.fc1.requires_grad_(False)
+    state = fzero.init(model, stage=1, optimizer=gb.make_optimizer(("sgd", gb.SGD)), comm=comm)
+    before = fzero.full_params(state)["fc1.weight"].clone()
+    batch = gb.mse_batches(1, rows=4, d_in=5, d_out=3)[0]
+    state, _ = step(state, batch)
+    assert torch.equal(fzero.full_params(state)["fc1.weight"], before)  # frozen, as set
+    model.fc1.requires_grad_(True)
+    with pytest.raises(ValueError, match="requires_grad changed after the state was built"):
+        step(state, batch)
+
+
+def test_flags_set_before_init_are_the_states_own() -> None:
+    """The step may be built before the flags are set: what counts is the state's build."""
+    fzero.SimWorld(1).run(_flags_before_init_body)
+
+
+def _load_flags_body(comm: Any, path: str) -> None:
+    model = gb.BatchNormNet()
+    opt = gb.make_optimizer(("sgd", gb.SGD))
+    state = fzero.init(model, stage=1, optimizer=opt, comm=comm)
+    fzero.checkpoint.save(state, path)
+    model.fc2.requires_grad_(False)  # resumed with fc2 frozen, as a fine-tuning might
+    loaded = fzero.checkpoint.load(path, model=model, stage=1, optimizer=opt, comm=comm,
+                                   weights_only=True)
+    step = fzero.make_train_step(model, gb.mse_loss)
+    loaded, _ = step(loaded, gb.mse_batches(1, rows=4, d_in=5, d_out=3)[0])
+    model.fc2.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"requires_grad changed after the state was built: "
+                                         r"\{'fc2.bias': True, 'fc2.weight': True\}"):
+        step(loaded, gb.mse_batches(1, rows=4, d_in=5, d_out=3)[0])
+
+
+def test_a_checkpoint_load_takes_the_flags_of_its_model(tmp_path) -> None:
+    fzero.SimWorld(1).run(_load_flags_body, str(tmp_path / "c"))

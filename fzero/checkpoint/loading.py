@@ -26,7 +26,7 @@ from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite
 from fzero.layout import ShardLayout, _parse_dtype, plan
 from fzero.optim import Optimizer, OptimizerSpec, from_spec
-from fzero.state import STAGES, ShardState, check_dtypes, state_device
+from fzero.state import STAGES, ShardState, check_dtypes, requires_grad_of, state_device
 
 __all__ = ["Reader", "load"]
 
@@ -117,6 +117,7 @@ def load(
             same_buckets=[b.names for b in layout.buckets]
             == [b.names for b in manifest.layout.buckets],
             fresh_optimizer=weights_only,
+            requires_grad=requires_grad_of(model),
         )
         if restore_rng and manifest.world_size == comm.world_size:
             reader.restore_rng(comm.rank, device)

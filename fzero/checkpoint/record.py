@@ -173,6 +173,7 @@ def build(
     buffers: Mapping[str, Callable[[str], Tensor]],
     same_buckets: bool,
     fresh_optimizer: bool,
+    requires_grad: tuple[tuple[str, bool], ...] | None = None,
 ) -> ShardState:
     """The state a load returns: tensors allocated as `fzero.init` lays them out for `stage`
     (see `fzero.state`'s table), values from `fill`, the rest from `record`.
@@ -185,6 +186,7 @@ def build(
         buffers: the model's buffer names, each with a function that reads its stored value.
         same_buckets: the buckets are the stored ones (the learned stage-3 order still applies).
         fresh_optimizer: start the optimizer afresh (zero moments, step 0) instead of reading it.
+        requires_grad: the model's flags (`fzero.state.requires_grad_of`), None for a mapping.
         Others: as for `fzero.init`.
     """
     rank = comm.rank
@@ -248,7 +250,8 @@ def build(
         if param_dtype is not None and value.is_floating_point():
             value = value.to(param_dtype)  # as init casts them
         values[name] = value
-    config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device)
+    config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device,
+                         requires_grad)
     return ShardState(
         layout=layout,
         stage=stage,
