@@ -106,9 +106,15 @@ class Completion:
         self.completed = [False] * len(self.completed)
 
     def close(self) -> None:
-        """Remove the hooks."""
+        """Remove the hooks, and drop `on_complete` (often a method of the owner, which holds
+        this: a reference cycle only the garbage collector would free, every step)."""
         for handle in self.handles:
             handle.remove()
+        self.on_complete = _closed
+
+
+def _closed(index: int) -> None:
+    raise RuntimeError(f"bucket {index} completed after its Completion was closed")
 
 
 class Reducer:

@@ -22,6 +22,7 @@ from fzero.comm import ring_bytes
 from fzero.layout import ShardLayout
 from fzero.simworld import SimWorldError
 
+import guarantee_bodies as gb
 import step_bodies as sb
 from models import MLP, MODELS, FrozenMix, TinyGPT, reference_train, split_batch
 
@@ -751,3 +752,35 @@ def test_the_loss_and_the_norm_reach_the_host_in_one_copy_with_every_bit() -> No
         patch.setattr(torch.Tensor, "tolist", counted)
         _on_host(loss, norm)
     assert copies == [torch.Size([2])]
+
+
+# ----------------------------------------------------------------------------------------------
+# A step frees what it built by reference counting: a reference cycle per step would leave its
+# hooks, leaves and threads to the garbage collector, whose pauses then land in later steps.
+
+
+def _cycles_after_a_step(comm: Any, *, stage: int) -> tuple[int, int]:
+    import gc
+
+    model = TinyGPT()
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.adamw(lr=1e-3), comm=comm)
+    step = fzero.make_train_step(model, gb.gpt_loss)
+    evaluate = fzero.make_eval_step(model, lambda call, batch: call(batch[0]).sum())
+    batch = TinyGPT.make_batch(0, 2)
+    state, _ = step(state, batch)  # first-step work (plans, caches) out of the way
+    evaluate(state, batch)
+    gc.collect()
+    gc.disable()
+    try:
+        state, _ = step(state, batch)
+        in_step = gc.collect()
+        evaluate(state, batch)
+        in_eval = gc.collect()
+    finally:
+        gc.enable()
+    return in_step, in_eval
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_step_leaves_no_reference_cycle(stage: int) -> None:
+    assert fzero.SimWorld(1).run(_cycles_after_a_step, stage=stage) == [(0, 0)]
