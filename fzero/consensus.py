@@ -7,11 +7,11 @@ decision from the same data:
 - Before any bucket moves, the step `header`: layout fingerprint, stage, step number, number of
   micro-batches, kind of step, fingerprint of the buffers (names, shapes, dtypes). A rank
   resumed from another checkpoint, given another number of micro-batches or another model
-  makes every rank raise here, state untouched. The header
-  need not arrive before the computation starts, only before the first collective: a train
-  step of stages 0-2 (which communicate first in backward) starts it (`HeaderRound`), runs
-  the forward while it travels, and checks it before the first reduction or buffer broadcast
-  (its latency hidden); stage 3, which gathers before its forward, checks it first.
+  makes every rank raise here, state untouched. The header need not arrive before the
+  computation starts, only before the first collective: a train step of stages 0-2 (which
+  communicate first in backward) starts it (`HeaderRound`), runs the forward while it
+  travels, and checks it before the first reduction or buffer broadcast (its latency hidden);
+  stage 3, which gathers before its forward, checks it first.
 - After backward and before any update, the `statistics`: this rank's share of the squared
   gradient norm, its loss sum and rows, whether its own computation failed, whether it saw a
   non-finite value, whether it used every parameter, and the signature of the collective
