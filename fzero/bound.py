@@ -13,20 +13,24 @@ anything may read it, and the module is left as it was afterwards. Every name of
 parameter is bound explicitly, so a tie the module lost (``model.to("meta")`` unties) does not
 matter; a tie the module gained, or a shape it changed, is an error (`check_structure`).
 
-Buffers are bound the same way, from the state's copies, which every rank must hold alike:
-rank 0's are broadcast into the others' each step (``buffers="broadcast"``), byte for byte. A
-buffer the module has and the state lacks would read the module's own, unsynchronized tensor,
-and ranks whose buffers differ in name or shape would pair unrelated bytes; so the module's
-buffers are checked against the state's (`check_buffers`) and the ranks compare a fingerprint of
-them (`buffers_fingerprint`) before anything moves.
+Buffers are bound the same way, from the state's copies. An in-place update (BatchNorm's
+running statistics) lands in them; a train step also keeps a buffer the forward *reassigned*
+(``self.count = self.count + 1``), which the end of the binding would otherwise drop, by
+copying the new value into the state's copy (`Binder.run`'s `keep`). Every rank must hold them
+alike: rank 0's are broadcast into the others' each step (``buffers="broadcast"``), byte for
+byte. A buffer the module has and the state lacks would read the module's own, unsynchronized
+tensor, and ranks whose buffers differ in name or shape would pair unrelated bytes; so the
+module's buffers are checked against the state's (`check_buffers`) and the ranks compare a
+fingerprint of them (`buffers_fingerprint`) before anything moves.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -61,10 +65,52 @@ class Binder:
         self.model = model
         self._runner = _Runner(model)
 
-    def run(self, tensors: Mapping[str, Tensor], fn: Callable[[], T]) -> T:
-        """``fn()`` with `tensors` bound (see the module note)."""
+    def run(
+        self, tensors: Mapping[str, Tensor], fn: Callable[[], T], *,
+        keep: Collection[str] = (),
+    ) -> T:
+        """``fn()`` with `tensors` bound (see the module note).
+
+        A buffer named in `keep` that ``fn`` *reassigned* (``self.count = self.count + 1``
+        instead of an in-place update) would be lost when the binding ends; its new value is
+        copied into the bound tensor instead, as plain torch would keep it.
+
+        Raises:
+            ValueError: a buffer in `keep` reassigned to something of another shape or dtype
+                (or to None): the state's buffers keep the shapes they were built with.
+        """
         prefixed = {f"model.{name}": tensor for name, tensor in tensors.items()}
-        return functional_call(self._runner, prefixed, (fn,), tie_weights=False, strict=False)
+        if not keep:
+            return functional_call(self._runner, prefixed, (fn,), tie_weights=False,
+                                   strict=False)
+
+        def keeping() -> T:
+            out = fn()
+            for name in keep:
+                bound, now = tensors[name], _attribute(self.model, name)
+                if now is bound:
+                    continue
+                if not isinstance(now, Tensor) or now.shape != bound.shape or (
+                        now.dtype != bound.dtype):
+                    shown = (f"shape {tuple(now.shape)}, {now.dtype}" if isinstance(now, Tensor)
+                             else type(now).__name__)
+                    raise ValueError(
+                        f"buffer {name!r} was reassigned in forward to {shown}; the state "
+                        f"keeps it as shape {tuple(bound.shape)}, {bound.dtype}. Keep its shape "
+                        f"and dtype (or update it in place), or register it with its final "
+                        f"shape before fzero.init"
+                    )
+                with torch.no_grad():
+                    bound.copy_(now)
+            return out
+
+        return functional_call(self._runner, prefixed, (keeping,), tie_weights=False,
+                               strict=False)
+
+
+def _attribute(model: nn.Module, name: str) -> Any:
+    owner, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(owner) if owner else model, leaf)
 
 
 def check_structure(

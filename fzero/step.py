@@ -467,7 +467,7 @@ def _run(
                     continue
                 try:
                     loss = binder.run(bindings, lambda m=micro, lt=last: session.micro_batch(
-                        loss_fn, model, m, factor, lt))
+                        loss_fn, model, m, factor, lt), keep=buffers)
                     if loss is not None:
                         losses.append(loss)
                 except PeerFailed:  # a round showed another rank failed: stop with everyone

@@ -167,3 +167,79 @@ def test_buffers_fingerprint_sees_names_shapes_and_dtypes_not_values() -> None:
                   {"n": torch.tensor(0), "x": torch.zeros(3)},
                   {"x": torch.zeros(3)}):
         assert buffers_fingerprint(other) != buffers_fingerprint(a), other
+
+
+# ----------------------------------------------------------------------------------------------
+# A buffer the forward reassigns instead of updating in place is kept, as plain torch keeps it.
+
+
+class Counting(torch.nn.Module):
+    """A linear layer counting its forward calls in a buffer it reassigns (not in place), and
+    keeping a running mean of its input the same way."""
+
+    def __init__(self, grow: bool = False) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 2).double()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros(3, dtype=torch.float64))
+        self.grow = grow
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        self.mean = 0.5 * self.mean + 0.5 * x.mean(0)
+        if self.grow:
+            self.mean = torch.cat([self.mean, self.mean])
+        return self.fc(x)
+
+
+def _counting_loss(call: Any, batch: torch.Tensor) -> torch.Tensor:
+    return call(batch).pow(2).mean()
+
+
+def _counting_body(comm: Any, *, stage: int, policy: str, grow_rank: int = -1) -> Any:
+    model = Counting(grow=comm.rank == grow_rank)
+    state = fzero.init(model, stage=stage, optimizer=gb.make_optimizer(("sgd", gb.SGD)),
+                       comm=comm)
+    step = fzero.make_train_step(model, _counting_loss, accum_steps=2, buffers=policy)
+    gen = torch.Generator().manual_seed(comm.rank)
+    try:
+        for _ in range(3):
+            state, _ = step(state, torch.randn(4, 3, dtype=torch.float64, generator=gen))
+    except Exception as exc:  # reported to the test, per rank
+        return type(exc).__name__, str(exc)
+    assert model.calls.item() == 0 and not model.mean.any()  # the module is never mutated
+    return {name: b.clone() for name, b in state.buffers.items()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("policy", ["broadcast", "local"])
+def test_a_reassigned_buffer_is_kept_as_torch_keeps_it(stage: int, policy: str) -> None:
+    world = 2
+    outs = fzero.SimWorld(world).run(_counting_body, stage=stage, policy=policy)
+    # The reference: one plain module per rank seeing that rank's rows, two micro-batches a
+    # step; with "broadcast" every micro-batch starts from rank 0's buffers, as DDP's does.
+    references = [Counting() for _ in range(world)]
+    gens = [torch.Generator().manual_seed(rank) for rank in range(world)]
+    for _ in range(3):
+        micros = [torch.randn(4, 3, dtype=torch.float64, generator=g).split(2) for g in gens]
+        for index in range(2):
+            if policy == "broadcast":
+                for reference in references[1:]:
+                    reference.calls, reference.mean = (references[0].calls.clone(),
+                                                       references[0].mean.clone())
+            for reference, rank_micros in zip(references, micros, strict=True):
+                reference(rank_micros[index])
+    for out, reference in zip(outs, references, strict=True):
+        assert out["calls"].item() == reference.calls.item() == 6
+        torch.testing.assert_close(out["mean"], reference.mean, rtol=0, atol=1e-15)
+    assert not torch.equal(outs[0]["mean"], outs[1]["mean"])  # each rank's last update its own
+
+
+def test_a_buffer_reassigned_with_another_shape_raises_naming_it() -> None:
+    outcomes = fzero.SimWorld(2).run(_counting_body, stage=1, policy="broadcast", grow_rank=1)
+    kind, message = outcomes[1]
+    assert kind == "ValueError"
+    assert "buffer 'mean' was reassigned in forward to shape (6,), torch.float64; the state " \
+           "keeps it as shape (3,), torch.float64" in message
+    kind, message = outcomes[0]
+    assert kind == "StepError" and "ValueError: buffer 'mean' was reassigned" in message
