@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import fzero
 
@@ -243,3 +245,27 @@ def test_a_buffer_reassigned_with_another_shape_raises_naming_it() -> None:
            "keeps it as shape (3,), torch.float64" in message
     kind, message = outcomes[0]
     assert kind == "StepError" and "ValueError: buffer 'mean' was reassigned" in message
+
+
+_DESCRIPTIONS = st.lists(
+    st.tuples(st.sampled_from(["a", "b", "bn.running_mean", "h.0.mask"]),
+              st.lists(st.integers(0, 3), max_size=3).map(tuple),
+              st.sampled_from([torch.float32, torch.float64, torch.int64, torch.bfloat16])),
+    max_size=4, unique_by=lambda d: d[0])
+
+
+@given(_DESCRIPTIONS, _DESCRIPTIONS, st.integers(0, 2**16))
+def test_buffers_fingerprint_is_equal_exactly_when_the_descriptions_are(
+    first: list[Any], second: list[Any], seed: int
+) -> None:
+    from fzero.bound import buffers_fingerprint
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def made(description: list[Any]) -> dict[str, torch.Tensor]:  # random values each time
+        return {name: torch.randint(-9, 9, shape, generator=gen).to(dtype)
+                for name, shape, dtype in description}
+
+    assert buffers_fingerprint(made(first)) == buffers_fingerprint(made(first))
+    assert (buffers_fingerprint(made(first)) == buffers_fingerprint(made(second))) == (
+        first == second)
