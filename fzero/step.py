@@ -503,6 +503,7 @@ class _ReplicatedSession:
         self.streams = streams
         self.leaves = [alias_leaves(flat, bucket)
                        for flat, bucket in zip(state.params, layout.buckets, strict=True)]
+        self.versions = _versions(self.leaves)
         if stage < 2:  # gradients accumulate in place in the full buffers
             for index, bucket in enumerate(layout.buckets):
                 if bucket.trainable:
@@ -534,6 +535,7 @@ class _ReplicatedSession:
         self.completion.armed = self._reduces_now(last)
         loss = loss_fn(model.__call__, micro)
         _check_loss(loss, self.state)
+        _check_unmodified(self.leaves, self.versions, self.state)
         (loss * factor).backward()
         self._end_micro_batch(last, zero=False)
         return loss.detach()
@@ -598,6 +600,7 @@ class _ShardedSession:
             prefetch=prefetch,
         )
         self.leaves = self.residency.leaves
+        self.versions = _versions(self.leaves)
         self.reducer: Reducer | None = None
         if train:
             for grad in trainable_only(state.grads):
@@ -645,6 +648,7 @@ class _ShardedSession:
                     last: bool) -> Tensor | None:
         loss = self._forward(loss_fn, model, micro)
         _check_loss(loss, self.state)
+        _check_unmodified(self.leaves, self.versions, self.state)
         touched = set(self.residency.used)
         self._end_phase(DONE, keep=True)  # backward starts with what forward ended with
         if self.aborted:  # another rank failed in this forward: no rank runs backward
@@ -1000,6 +1004,37 @@ def _check_loss(loss: Any, state: ShardState) -> None:
             f"the loss has no gradient path to any trainable parameter; these got no "
             f"gradient: {names[:10]}{' ...' if len(names) > 10 else ''} (does loss_fn use "
             f"`call`, and does it run under torch.no_grad?)"
+        )
+
+
+def _versions(leaves: Sequence[Sequence[Tensor]]) -> list[list[int]]:
+    """Each leaf's version counter (bumped by any in-place write to it)."""
+    return [[leaf._version for leaf in bucket_leaves] for bucket_leaves in leaves]
+
+
+def _check_unmodified(
+    leaves: Sequence[Sequence[Tensor]], versions: Sequence[Sequence[int]], state: ShardState
+) -> None:
+    """Raise if the forward wrote a parameter in place (``nn.Embedding(max_norm=...)``, a
+    ``clamp_`` under ``no_grad``): each rank changes only its own copy of the rows it touched,
+    which a sharded state cannot keep (stage 3 drops the gathered copy; stages 1-2 publish the
+    owner's shard over it; plain DDP lets the replicas drift apart)."""
+    changed = [entry.name
+               for bucket, bucket_leaves, before in zip(state.layout.buckets, leaves, versions,
+                                                        strict=True)
+               for entry, leaf, version in zip(bucket.entries, bucket_leaves, before,
+                                               strict=True)
+               if leaf._version != version]
+    if changed:
+        held = (" This rank's state already holds the change (below stage 3 the forward reads "
+                "the state's own tensors): rebuild it (a checkpoint, or fzero.init) before "
+                "training on." if state.stage < 3 else "")
+        raise ValueError(
+            f"the forward modified parameter(s) {changed[:5]} in place (e.g. "
+            f"nn.Embedding(max_norm=...), or an in-place op under torch.no_grad): each rank "
+            f"would change only its own copy, which sharded training cannot keep consistent "
+            f"with single-process torch. Compute the constrained value out of place instead "
+            f"(e.g. with torch.nn.utils.parametrize).{held}"
         )
 
 

@@ -799,3 +799,48 @@ def _cycles_after_a_step(comm: Any, *, stage: int) -> tuple[list[str], list[str]
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_step_leaves_no_reference_cycle(stage: int) -> None:
     assert fzero.SimWorld(1).run(_cycles_after_a_step, stage=stage) == [([], [])]
+
+
+# ----------------------------------------------------------------------------------------------
+# A forward that writes a parameter in place (nn.Embedding(max_norm=...)) changes each rank's
+# own copy only: stage 3 dropped the change with the gathered bucket, stages 1-2 kept only the
+# owner's rows. Every stage raises instead, before any update.
+
+
+class _MaxNormEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, max_norm=0.5)  # renormalizes looked-up rows in place
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.emb(tokens)).squeeze(-1)
+
+
+def _in_place_outcome(comm: Any, *, stage: int, accum_steps: int) -> Any:
+    torch.manual_seed(0)
+    model = _MaxNormEmbedding()
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+    before = {n: t.clone() for n, t in fzero.full_params(state).items()}
+    step = fzero.make_train_step(model, lambda call, b: call(b).pow(2).mean(),
+                                 accum_steps=accum_steps)
+    try:
+        step(state, (torch.arange(4) + 4 * comm.rank) % 10)
+    except Exception as exc:  # reported to the test, per rank
+        after = fzero.full_params(state)  # the state was not consumed, nor changed
+        unchanged = all(torch.equal(after[n], v) for n, v in before.items())
+        return type(exc).__name__, str(exc), unchanged
+    return None
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_a_parameter_written_in_place_by_forward_raises(stage: int, accum_steps: int) -> None:
+    for kind, message, unchanged in fzero.SimWorld(2).run(
+            _in_place_outcome, stage=stage, accum_steps=accum_steps):
+        assert kind == "ValueError"
+        assert "the forward modified parameter(s) ['emb.weight'] in place" in message
+        # Stage 3 wrote into a gathered copy; below, the forward wrote into the state itself,
+        # and the error says so.
+        assert unchanged == (stage == 3)
+        assert ("This rank's state already holds the change" in message) == (stage < 3)
