@@ -27,7 +27,7 @@ fingerprint of them (`buffers_fingerprint`) before anything moves.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -114,7 +114,8 @@ def _attribute(model: nn.Module, name: str) -> Any:
 
 
 def check_structure(
-    model: nn.Module, layout: ShardLayout, *, requires_grad: Mapping[str, bool] | None = None
+    model: nn.Module, layout: ShardLayout, *,
+    requires_grad: Sequence[tuple[str, bool]] | None = None,
 ) -> None:
     """Raise if `model` no longer has the parameters, shapes and ties `layout` was planned for,
     or (given `requires_grad`, the flags `requires_grad_flags` took when the state was built)
@@ -134,8 +135,9 @@ def check_structure(
     located = layout.locate()
     named = dict(model.named_parameters(remove_duplicate=False))
     if requires_grad is not None:
+        then = dict(requires_grad)
         flipped = sorted(name for name, t in named.items()
-                         if name in requires_grad and t.requires_grad != requires_grad[name])
+                         if name in then and t.requires_grad != then[name])
         if flipped:
             now = {name: named[name].requires_grad for name in flipped[:5]}
             raise ValueError(
@@ -217,7 +219,13 @@ def buffers_fingerprint(buffers: Mapping[str, Tensor]) -> str:
     return hashlib.blake2b(repr(described).encode(), digest_size=8).hexdigest()
 
 
-def requires_grad_flags(model: nn.Module) -> dict[str, bool]:
-    """Every parameter name (tied names included) to its ``requires_grad``, for
-    `check_structure` to tell later whether one changed."""
-    return {name: t.requires_grad for name, t in model.named_parameters(remove_duplicate=False)}
+def requires_grad_flags(
+    model: nn.Module | Mapping[str, Tensor],
+) -> tuple[tuple[str, bool], ...] | None:
+    """Every parameter name (tied names included) with its ``requires_grad``, for
+    `check_structure` to tell later whether one changed (`ShardConfig.requires_grad`); None
+    for a mapping of tensors, which has no flags of its own to change."""
+    if not isinstance(model, nn.Module):
+        return None
+    return tuple((name, t.requires_grad)
+                 for name, t in model.named_parameters(remove_duplicate=False))

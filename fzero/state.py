@@ -101,15 +101,6 @@ class ShardConfig:
     requires_grad: tuple[tuple[str, bool], ...] | None = None
 
 
-def requires_grad_of(
-    model: nn.Module | Mapping[str, Tensor],
-) -> tuple[tuple[str, bool], ...] | None:
-    """`ShardConfig.requires_grad` for a state built from `model` (None for a mapping)."""
-    if not isinstance(model, nn.Module):
-        return None
-    return tuple(requires_grad_flags(model).items())
-
-
 class Lease:
     """Whether a state still owns its tensors: a train step consumes (donates) its input.
 
@@ -431,7 +422,7 @@ def init(
         if value.numel():
             comm.broadcast(value.view(-1), src=0)
     config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device,
-                         requires_grad_of(model))
+                         requires_grad_flags(model))
     float16 = any(b.trainable and b.torch_dtype == torch.float16 for b in layout.buckets)
     loss_scale = LossScale() if float16 else None  # however the model got to float16
     return ShardState(

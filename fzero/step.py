@@ -724,17 +724,6 @@ def _sharded(
 # --- the phases after backward ----------------------------------------------------------------
 
 
-def _check_model(
-    model: nn.Module, state: ShardState, *,
-    requires_grad: Sequence[tuple[str, bool]] | None = None,
-) -> None:
-    """Raise if `model` is not the one `state` was built for (parameters, ties, buffers; and
-    given `requires_grad`, the flags it was built with)."""
-    check_structure(model, state.layout,
-                    requires_grad=dict(requires_grad) if requires_grad is not None else None)
-    check_buffers(model, state.buffers)
-
-
 def _header(state: ShardState, micro_batches: int, *, kind: int) -> Header:
     fingerprint = int(state.layout.fingerprint, 16) >> 4  # 60 bits: fits an int64
     buffers = int(buffers_fingerprint(state.buffers), 16) >> 4
@@ -1005,6 +994,16 @@ def _check_loss(loss: Any, state: ShardState) -> None:
             f"gradient: {names[:10]}{' ...' if len(names) > 10 else ''} (does loss_fn use "
             f"`call`, and does it run under torch.no_grad?)"
         )
+
+
+def _check_model(
+    model: nn.Module, state: ShardState, *,
+    requires_grad: Sequence[tuple[str, bool]] | None = None,
+) -> None:
+    """Raise if `model` is not the one `state` was built for (parameters, ties, buffers; and
+    given `requires_grad`, the flags it was built with)."""
+    check_structure(model, state.layout, requires_grad=requires_grad)
+    check_buffers(model, state.buffers)
 
 
 def _versions(leaves: Sequence[Sequence[Tensor]]) -> list[list[int]]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fzero.bound import requires_grad_flags
 from fzero.checkpoint import record
 from fzero.checkpoint.files import ShardFile
 from fzero.checkpoint.manifest import CheckpointError, Manifest, read_manifest
@@ -26,7 +27,7 @@ from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite
 from fzero.layout import ShardLayout, _parse_dtype, plan
 from fzero.optim import Optimizer, OptimizerSpec, from_spec
-from fzero.state import STAGES, ShardState, check_dtypes, requires_grad_of, state_device
+from fzero.state import STAGES, ShardState, check_dtypes, state_device
 
 __all__ = ["Reader", "load"]
 
@@ -117,7 +118,7 @@ def load(
             same_buckets=[b.names for b in layout.buckets]
             == [b.names for b in manifest.layout.buckets],
             fresh_optimizer=weights_only,
-            requires_grad=requires_grad_of(model),
+            requires_grad=requires_grad_flags(model),
         )
         if restore_rng and manifest.world_size == comm.world_size:
             reader.restore_rng(comm.rank, device)

@@ -186,7 +186,7 @@ def build(
         buffers: the model's buffer names, each with a function that reads its stored value.
         same_buckets: the buckets are the stored ones (the learned stage-3 order still applies).
         fresh_optimizer: start the optimizer afresh (zero moments, step 0) instead of reading it.
-        requires_grad: the model's flags (`fzero.state.requires_grad_of`), None for a mapping.
+        requires_grad: the model's flags (`fzero.bound.requires_grad_flags`).
         Others: as for `fzero.init`.
     """
     rank = comm.rank
