@@ -80,9 +80,6 @@ class Binder:
                 (or to None): the state's buffers keep the shapes they were built with.
         """
         prefixed = {f"model.{name}": tensor for name, tensor in tensors.items()}
-        if not keep:
-            return functional_call(self._runner, prefixed, (fn,), tie_weights=False,
-                                   strict=False)
 
         def keeping() -> T:
             out = fn()
@@ -104,8 +101,8 @@ class Binder:
                     bound.copy_(now)
             return out
 
-        return functional_call(self._runner, prefixed, (keeping,), tie_weights=False,
-                               strict=False)
+        return functional_call(self._runner, prefixed, (keeping if keep else fn,),
+                               tie_weights=False, strict=False)
 
 
 def _attribute(model: nn.Module, name: str) -> Any:
