@@ -27,7 +27,9 @@ fingerprint of them (`buffers_fingerprint`) before anything moves.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Mapping, Sequence
+import itertools
+import weakref
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -36,8 +38,8 @@ from torch.func import functional_call
 
 from fzero.layout import ShardLayout
 
-__all__ = ["Binder", "buffers_fingerprint", "check_buffers", "check_structure",
-           "requires_grad_flags"]
+__all__ = ["Binder", "ModuleVersions", "buffers_fingerprint", "check_buffers",
+           "check_structure", "module_versions", "requires_grad_flags"]
 
 T = TypeVar("T")
 
@@ -226,3 +228,59 @@ def requires_grad_flags(
         return None
     return tuple((name, t.requires_grad)
                  for name, t in model.named_parameters(remove_duplicate=False))
+
+
+class ModuleVersions:
+    """Which of a module's own tensors were written in place since a state was built from it.
+
+    A state takes the module's values once, when it is built (`fzero.init`, or
+    `fzero.checkpoint.load` with a model); from then on a step reads the state's tensors and
+    never the module's. A write into the module's own parameters or buffers afterwards
+    (``model.load_state_dict(pretrained)``, a ``copy_`` under ``no_grad``) would be silently
+    ignored, so steps look for one: each tensor's version counter, bumped by every in-place
+    write, is recorded here and compared. A tensor the module has since *replaced* (another
+    object under that name: ``model.to("meta")``, an assignment) is not watched any more; a
+    write through ``.data`` bumps no counter and is not seen. Tensors on ``meta`` hold no
+    values and are not watched.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._seen: dict[str, tuple[weakref.ref[Tensor], int]] = {}
+        for name, tensor in _own_tensors(model):
+            if not tensor.is_meta:
+                self._seen[name] = (weakref.ref(tensor), tensor._version)
+
+    def written(self, model: nn.Module) -> dict[str, Tensor]:
+        """The module's tensors (by name, tied names included) that are the objects recorded
+        and were written in place since."""
+        found = {}
+        for name, (ref, version) in self._seen.items():  # no walk of the module: a step's cost
+            tensor = ref()
+            if tensor is not None and tensor._version != version and _holds(model, name, tensor):
+                found[name] = tensor
+        return found
+
+    def accept(self, tensors: Mapping[str, Tensor]) -> None:
+        """Take these tensors' current versions as seen (their values were found to be the
+        state's: e.g. the state's values exported into the module)."""
+        for name, tensor in tensors.items():
+            self._seen[name] = (weakref.ref(tensor), tensor._version)
+
+
+def module_versions(model: nn.Module | Mapping[str, Tensor]) -> ModuleVersions | None:
+    """`ModuleVersions` of `model` now (`ShardConfig.module_versions`); None for a mapping of
+    tensors, which a step never sees again."""
+    return ModuleVersions(model) if isinstance(model, nn.Module) else None
+
+
+def _holds(model: nn.Module, name: str, tensor: Tensor) -> bool:
+    """Whether `model` still holds `tensor` under `name`."""
+    try:
+        return _attribute(model, name) is tensor
+    except AttributeError:  # the name's module is gone
+        return False
+
+
+def _own_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    return itertools.chain(model.named_parameters(remove_duplicate=False),
+                           model.named_buffers(remove_duplicate=False))

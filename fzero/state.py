@@ -29,7 +29,12 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from fzero import memory
-from fzero.bound import buffers_fingerprint, requires_grad_flags
+from fzero.bound import (
+    ModuleVersions,
+    buffers_fingerprint,
+    module_versions,
+    requires_grad_flags,
+)
 from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite, flatten, shard_view
 from fzero.layout import Bucket, Entry, ShardLayout, plan
@@ -99,6 +104,9 @@ class ShardConfig:
     # The module's (name, requires_grad) pairs when the state was built from one: a step raises
     # if a flag changed since (trainability is fixed by the layout; a flip would be ignored).
     requires_grad: tuple[tuple[str, bool], ...] | None = None
+    # The module's own tensors' version counters then: a step raises if one was written since
+    # with values other than the state's (they would be ignored: `fzero.bound.ModuleVersions`).
+    module_versions: ModuleVersions | None = field(default=None, compare=False, repr=False)
 
 
 class Lease:
@@ -422,7 +430,7 @@ def init(
         if value.numel():
             comm.broadcast(value.view(-1), src=0)
     config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device,
-                         requires_grad_flags(model))
+                         requires_grad_flags(model), module_versions(model))
     float16 = any(b.trainable and b.torch_dtype == torch.float16 for b in layout.buckets)
     loss_scale = LossScale() if float16 else None  # however the model got to float16
     return ShardState(

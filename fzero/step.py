@@ -1004,6 +1004,69 @@ def _check_model(
     given `requires_grad`, the flags it was built with)."""
     check_structure(model, state.layout, requires_grad=requires_grad)
     check_buffers(model, state.buffers)
+    _check_module_writes(model, state)
+
+
+def _check_module_writes(model: nn.Module, state: ShardState) -> None:
+    """Raise if the module's own tensors were written in place since the state was built and
+    now hold other values than the state's (`fzero.bound.ModuleVersions`): a step would ignore
+    them. Values equal to the state's (its parameters exported into the module) are accepted.
+    Stage 3 compares this rank's shard only; a rank that sees a difference raises, and the step
+    header makes every rank raise with it."""
+    versions = state.config.module_versions
+    if versions is None:
+        return
+    written = versions.written(model)
+    if not written:
+        return
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in written.items():
+        by_tensor.setdefault(id(tensor), []).append(name)
+    located = state.layout.locate()
+    differ = []
+    for names in by_tensor.values():
+        tensor = written[names[0]]
+        known = [n for n in names if n in located or n in state.buffers]
+        if not known or not _holds_state_values(state, known[0], tensor.detach()):
+            differ += names
+    if differ:
+        raise ValueError(
+            f"the module's own tensors {sorted(differ)[:5]} were written in place after the "
+            f"state was built (model.load_state_dict(...), a copy_ under no_grad) and now hold "
+            f"other values than the state's. A step trains the state's tensors and never reads "
+            f"the module's values again, so these would be silently ignored. To train from "
+            f"them, build the state again from the module (fzero.init) or load them into it "
+            f"(fzero.init(..., load=), a checkpoint); to read the state's values, use "
+            f"fzero.full_params(state)"
+        )
+    versions.accept(written)
+
+
+def _holds_state_values(state: ShardState, name: str, tensor: Tensor) -> bool:
+    """Whether the module's `tensor` (parameter or buffer `name`) holds the state's values, in
+    the state's dtype (stage 3: in this rank's shard)."""
+    if name in state.buffers:
+        return _same_values(tensor, state.buffers[name])
+    index, entry = state.layout.locate()[name]
+    flat = state.params[index]
+    if state.stage < 3:
+        return _same_values(tensor, flat[entry.offset : entry.end].view(entry.shape))
+    values = tensor.reshape(-1)
+    return all(
+        _same_values(values[seg.entry_start : seg.entry_start + seg.shard_end - seg.shard_start],
+                     flat[seg.shard_start : seg.shard_end])
+        for seg in state.layout.buckets[index].segments(state.rank) if seg.entry == entry)
+
+
+def _same_values(module_tensor: Tensor, state_tensor: Tensor) -> bool:
+    """Equal after a cast to the state tensor's dtype and device (NaN equals NaN)."""
+    if tuple(module_tensor.shape) != tuple(state_tensor.shape):
+        return False
+    cast = module_tensor.to(device=state_tensor.device, dtype=state_tensor.dtype)
+    same = cast == state_tensor
+    if state_tensor.is_floating_point() or state_tensor.is_complex():
+        same |= cast.isnan() & state_tensor.isnan()
+    return bool(same.all())
 
 
 def _versions(leaves: Sequence[Sequence[Tensor]]) -> list[list[int]]:

@@ -799,3 +799,129 @@ def _load_flags_body(comm: Any, path: str) -> None:
 
 def test_a_checkpoint_load_takes_the_flags_of_its_model(tmp_path) -> None:
     fzero.SimWorld(1).run(_load_flags_body, str(tmp_path / "c"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The module's own tensors written after the state was built: a step would ignore them.
+
+
+def _write_outcome(comm: Any, *, stage: int, write_rank: int, how: str) -> Any:
+    """Train a step, write into the module's own tensors on `write_rank` (`how`), step again:
+    the outcome per rank, with the bytes the second step moved."""
+    model = gb.BatchNormNet()
+    state = fzero.init(model, stage=stage, optimizer=gb.make_optimizer(("sgd", gb.SGD)),
+                       comm=comm)
+    step = fzero.make_train_step(model, gb.mse_loss)
+    batch = gb.rank_rows(gb.mse_batches(1, rows=4 * comm.world_size, d_in=5, d_out=3)[0],
+                         comm.rank, comm.world_size)
+    state, _ = step(state, batch)
+    if comm.rank == write_rank:
+        with torch.no_grad():
+            if how == "load":  # pretrained weights loaded into the template, after init
+                model.load_state_dict(gb.BatchNormNet(seed=1).state_dict())
+            elif how == "parameter":
+                model.fc2.weight.add_(1.0)
+            elif how == "buffer":
+                model.bn.running_mean.fill_(3.0)
+    sent = comm.counters.total()
+    try:
+        step(state, batch)
+    except Exception as exc:  # reported to the test, per rank
+        return type(exc).__name__, str(exc), comm.counters.total() - sent
+    return None
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("how", ["load", "parameter", "buffer"])
+def test_writing_the_modules_tensors_after_the_state_was_built_raises(
+    stage: int, how: str
+) -> None:
+    """The state took the module's values at init; a later load_state_dict or in-place write
+    into the module would be silently ignored (training would go on from the old values)."""
+    outcomes = fzero.SimWorld(2).run(_write_outcome, stage=stage, write_rank=1, how=how)
+    kind, message, moved = outcomes[1]
+    assert kind == "ValueError" and moved == 0, outcomes[1]
+    assert "were written in place after the state was built" in message
+    expected = {"load": "'bn.running_mean'", "parameter": "['fc2.weight']",
+                "buffer": "['bn.running_mean']"}[how]
+    assert expected in message
+    kind, message, moved = outcomes[0]
+    assert kind == "StepError" and "rank(s) [1] could not start it" in message and moved == 0
+
+
+def _export_body(comm: Any, *, stage: int, export: bool) -> list[Tensor]:
+    """Three steps; with `export`, the state's values are copied into the module (and its
+    buffers) between steps 1 and 2, as an export for `save_pretrained` might do."""
+    model = gb.BatchNormNet()
+    state = fzero.init(model, stage=stage, optimizer=gb.make_optimizer(("sgd", gb.SGD)),
+                       comm=comm)
+    step = fzero.make_train_step(model, gb.mse_loss)
+    batches = [gb.rank_rows(b, comm.rank, comm.world_size)
+               for b in gb.mse_batches(3, rows=4 * comm.world_size, d_in=5, d_out=3)]
+    state, _ = step(state, batches[0])
+    if export:
+        params = fzero.full_params(state)
+        with torch.no_grad():
+            for name, tensor in model.named_parameters():
+                tensor.copy_(params[name])
+            for name, tensor in model.named_buffers():
+                tensor.copy_(state.buffers[name])
+    for batch in batches[1:]:
+        state, _ = step(state, batch)
+    return list(fzero.full_params(state).values())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_states_own_values_written_into_the_module_are_accepted(stage: int) -> None:
+    """Copying the state's values into the module changes nothing a step reads: allowed, and
+    training goes on exactly as without it."""
+    exported = fzero.SimWorld(3).run(_export_body, stage=stage, export=True)
+    plain = fzero.SimWorld(3).run(_export_body, stage=stage, export=False)
+    for mine, theirs in zip(exported, plain, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            assert torch.equal(a, b)
+
+
+def _replaced_body(comm: Any) -> None:
+    model = gb.BatchNormNet()
+    state = fzero.init(model, stage=1, optimizer=gb.make_optimizer(("sgd", gb.SGD)), comm=comm)
+    step = fzero.make_train_step(model, gb.mse_loss)
+    batch = gb.mse_batches(1, rows=4, d_in=5, d_out=3)[0]
+    old = model.fc1.weight  # replaced by an assignment: the old object is not the module's
+    model.fc1.weight = nn.Parameter(old.detach().clone())
+    with torch.no_grad():
+        old.add_(1.0)
+    state, _ = step(state, batch)
+    model.to("meta")  # the module's memory dropped: new tensors, nothing to compare
+    state, _ = step(state, batch)
+    evaluate = fzero.make_eval_step(model, lambda call, b: call(b[0]))
+    model.bn.running_var.fill_(2.0)  # a meta tensor: no values to ignore
+    evaluate(state, batch)
+
+
+def test_tensors_the_module_replaced_or_holds_on_meta_are_not_watched() -> None:
+    fzero.SimWorld(1).run(_replaced_body)
+
+
+def _eval_and_load_body(comm: Any, path: str) -> None:
+    model = gb.BatchNormNet()
+    opt = gb.make_optimizer(("sgd", gb.SGD))
+    state = fzero.init(model, stage=1, optimizer=opt, comm=comm)
+    fzero.checkpoint.save(state, path)
+    evaluate = fzero.make_eval_step(model, lambda call, b: call(b[0]))
+    batch = gb.mse_batches(1, rows=4, d_in=5, d_out=3)[0]
+    with torch.no_grad():
+        model.fc1.bias.zero_()
+    with pytest.raises(ValueError, match=r"tensors \['fc1.bias'\] were written in place"):
+        evaluate(state, batch)
+    # A load records the module's tensors as they are then: the write before it counts as seen.
+    loaded = fzero.checkpoint.load(path, model=model, stage=1, optimizer=opt, comm=comm)
+    evaluate(loaded, batch)
+    with torch.no_grad():
+        model.fc2.bias.zero_()
+    with pytest.raises(ValueError, match=r"tensors \['fc2.bias'\] were written in place"):
+        fzero.make_train_step(model, gb.mse_loss)(loaded, batch)
+
+
+def test_eval_steps_and_loaded_states_watch_the_module_too(tmp_path) -> None:
+    fzero.SimWorld(1).run(_eval_and_load_body, str(tmp_path / "c"))

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fzero.bound import ModuleVersions
 from fzero.checkpoint.files import TensorSpec
 from fzero.comm import Comm
 from fzero.layout import ShardLayout, _dtype_name, _parse_dtype
@@ -174,6 +175,7 @@ def build(
     same_buckets: bool,
     fresh_optimizer: bool,
     requires_grad: tuple[tuple[str, bool], ...] | None = None,
+    module_versions: ModuleVersions | None = None,
 ) -> ShardState:
     """The state a load returns: tensors allocated as `fzero.init` lays them out for `stage`
     (see `fzero.state`'s table), values from `fill`, the rest from `record`.
@@ -187,6 +189,7 @@ def build(
         same_buckets: the buckets are the stored ones (the learned stage-3 order still applies).
         fresh_optimizer: start the optimizer afresh (zero moments, step 0) instead of reading it.
         requires_grad: the model's flags (`fzero.bound.requires_grad_flags`).
+        module_versions: its tensors' version counters (`fzero.bound.module_versions`).
         Others: as for `fzero.init`.
     """
     rank = comm.rank
@@ -251,7 +254,7 @@ def build(
             value = value.to(param_dtype)  # as init casts them
         values[name] = value
     config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device,
-                         requires_grad)
+                         requires_grad, module_versions)
     return ShardState(
         layout=layout,
         stage=stage,
