@@ -38,7 +38,10 @@ _HALF = 2**31
 
 
 class StepError(RuntimeError):
-    """A train step was applied on no rank; every rank's state is unchanged.
+    """A train step was applied on no rank; the state of the rank raising this is unchanged.
+
+    (The ranks that caused it raise their own error instead; one whose forward wrote a parameter
+    in place below stage 3 says that its state already holds the write.)
 
     Attributes:
         step: the step number (1-based) that failed.

@@ -758,7 +758,7 @@ def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
         details = "; ".join(f"rank {r}: {stats.messages.get(r, '?')}" for r in stats.failed)
         raise StepError(
             f"train step {step} was applied on no rank because rank(s) {list(stats.failed)} "
-            f"raised ({details}); every rank's state is unchanged",
+            f"raised ({details}); this rank's state is unchanged",
             step=step, ranks=stats.failed,
         )
     if stats.mismatched:
