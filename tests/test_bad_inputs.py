@@ -925,3 +925,36 @@ def _eval_and_load_body(comm: Any, path: str) -> None:
 
 def test_eval_steps_and_loaded_states_watch_the_module_too(tmp_path) -> None:
     fzero.SimWorld(1).run(_eval_and_load_body, str(tmp_path / "c"))
+
+
+def _tied_write_body(comm: Any, *, stage: int) -> Any:
+    """A tied GPT in a bfloat16 state: the state's values exported into the float32 module are
+    accepted; then a write into the tied embedding raises, naming both of its names."""
+    from models import TinyGPT
+
+    model = TinyGPT(n_layer=2)
+    state = fzero.init(model, stage=stage, optimizer=gb.make_optimizer(("sgd", gb.SGD)),
+                       comm=comm, param_dtype=torch.bfloat16, master_dtype=torch.float32)
+    step = fzero.make_train_step(model, TinyGPT.loss_fn)
+    batch = gb.rank_rows(TinyGPT.make_batch(0, 2 * comm.world_size), comm.rank, comm.world_size)
+    state, _ = step(state, batch)
+    params = fzero.full_params(state)  # bfloat16: exact in the float32 module
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            tensor.copy_(params[name])
+    state, _ = step(state, batch)
+    with torch.no_grad():
+        model.tok_emb.weight.mul_(2.0)
+    try:
+        step(state, batch)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_write_into_a_tied_parameter_names_every_name(stage: int) -> None:
+    outcomes = fzero.SimWorld(2).run(_tied_write_body, stage=stage)
+    for kind, message in outcomes:
+        assert kind == "ValueError", message  # both ranks hold part of the embedding
+        assert "['lm_head.weight', 'tok_emb.weight'] were written in place" in message
