@@ -726,24 +726,38 @@ def test_torch_comm_arguments_over_a_group(monkeypatch: pytest.MonkeyPatch) -> N
 # requires_grad flipped after the state was built: trainability is fixed with the state.
 
 
-def _flip_outcome(comm: Any, *, flip_rank: int, flag: bool) -> Any:
-    """Train a step, flip ``requires_grad`` of one parameter on `flip_rank`, step again."""
+def _outcome_after_change(
+    comm: Any, *, stage: int, change_rank: int, change: Callable[[nn.Module], None],
+    prepare: Callable[[nn.Module], None] | None = None,
+) -> Any:
+    """Train a step, apply `change` to the module on `change_rank`, step again: None, or the
+    second step's exception (type name, message) and the bytes it moved, per rank."""
     model = gb.BatchNormNet()
-    if flag:  # unfreezing: start with fc1.bias frozen
-        model.fc1.bias.requires_grad_(False)
-    state = fzero.init(model, stage=2, optimizer=gb.make_optimizer(("sgd", gb.SGD)), comm=comm)
+    if prepare is not None:
+        prepare(model)
+    state = fzero.init(model, stage=stage, optimizer=gb.make_optimizer(("sgd", gb.SGD)),
+                       comm=comm)
     step = fzero.make_train_step(model, gb.mse_loss)
     batch = gb.rank_rows(gb.mse_batches(1, rows=4 * comm.world_size, d_in=5, d_out=3)[0],
                          comm.rank, comm.world_size)
     state, _ = step(state, batch)
-    if comm.rank == flip_rank:
-        model.fc1.bias.requires_grad_(flag)
+    if comm.rank == change_rank:
+        change(model)
     sent = comm.counters.total()
     try:
         step(state, batch)
     except Exception as exc:  # reported to the test, per rank
         return type(exc).__name__, str(exc), comm.counters.total() - sent
     return None
+
+
+def _flip_outcome(comm: Any, *, flip_rank: int, flag: bool) -> Any:
+    """Flip ``requires_grad`` of fc1.bias on `flip_rank` between two steps (unfreezing: it
+    starts frozen)."""
+    return _outcome_after_change(
+        comm, stage=2, change_rank=flip_rank,
+        change=lambda model: model.fc1.bias.requires_grad_(flag),
+        prepare=(lambda model: model.fc1.bias.requires_grad_(False)) if flag else None)
 
 
 @pytest.mark.parametrize("flag", [False, True])
@@ -781,11 +795,17 @@ def test_flags_set_before_init_are_the_states_own() -> None:
     fzero.SimWorld(1).run(_flags_before_init_body)
 
 
-def _load_flags_body(comm: Any, path: str) -> None:
+def _saved_net(comm: Any, path: str) -> tuple[nn.Module, Any, fzero.ShardState]:
+    """A stage-1 BatchNormNet state, saved to `path`: the module, the optimizer, the state."""
     model = gb.BatchNormNet()
     opt = gb.make_optimizer(("sgd", gb.SGD))
     state = fzero.init(model, stage=1, optimizer=opt, comm=comm)
     fzero.checkpoint.save(state, path)
+    return model, opt, state
+
+
+def _load_flags_body(comm: Any, path: str) -> None:
+    model, opt, _ = _saved_net(comm, path)
     model.fc2.requires_grad_(False)  # resumed with fc2 frozen, as a fine-tuning might
     loaded = fzero.checkpoint.load(path, model=model, stage=1, optimizer=opt, comm=comm,
                                    weights_only=True)
@@ -806,16 +826,9 @@ def test_a_checkpoint_load_takes_the_flags_of_its_model(tmp_path) -> None:
 
 
 def _write_outcome(comm: Any, *, stage: int, write_rank: int, how: str) -> Any:
-    """Train a step, write into the module's own tensors on `write_rank` (`how`), step again:
-    the outcome per rank, with the bytes the second step moved."""
-    model = gb.BatchNormNet()
-    state = fzero.init(model, stage=stage, optimizer=gb.make_optimizer(("sgd", gb.SGD)),
-                       comm=comm)
-    step = fzero.make_train_step(model, gb.mse_loss)
-    batch = gb.rank_rows(gb.mse_batches(1, rows=4 * comm.world_size, d_in=5, d_out=3)[0],
-                         comm.rank, comm.world_size)
-    state, _ = step(state, batch)
-    if comm.rank == write_rank:
+    """Write into the module's own tensors on `write_rank` between two steps (`how`)."""
+
+    def write(model: nn.Module) -> None:
         with torch.no_grad():
             if how == "load":  # pretrained weights loaded into the template, after init
                 model.load_state_dict(gb.BatchNormNet(seed=1).state_dict())
@@ -823,12 +836,8 @@ def _write_outcome(comm: Any, *, stage: int, write_rank: int, how: str) -> Any:
                 model.fc2.weight.add_(1.0)
             elif how == "buffer":
                 model.bn.running_mean.fill_(3.0)
-    sent = comm.counters.total()
-    try:
-        step(state, batch)
-    except Exception as exc:  # reported to the test, per rank
-        return type(exc).__name__, str(exc), comm.counters.total() - sent
-    return None
+
+    return _outcome_after_change(comm, stage=stage, change_rank=write_rank, change=write)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -904,10 +913,7 @@ def test_tensors_the_module_replaced_or_holds_on_meta_are_not_watched() -> None:
 
 
 def _eval_and_load_body(comm: Any, path: str) -> None:
-    model = gb.BatchNormNet()
-    opt = gb.make_optimizer(("sgd", gb.SGD))
-    state = fzero.init(model, stage=1, optimizer=opt, comm=comm)
-    fzero.checkpoint.save(state, path)
+    model, opt, state = _saved_net(comm, path)
     evaluate = fzero.make_eval_step(model, lambda call, b: call(b[0]))
     batch = gb.mse_batches(1, rows=4, d_in=5, d_out=3)[0]
     with torch.no_grad():
