@@ -29,6 +29,7 @@ import hashlib
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -678,6 +679,13 @@ def test_bad_input_raises_clearly_and_changes_nothing(case: Case, tmp_path) -> N
         assert kind in names, f"rank {rank}: expected {names}, got {kind}: {message}"
         assert re.search(pattern, message), f"rank {rank}: {pattern!r} not in {message!r}"
         assert not diff, f"rank {rank}: the failed call changed {diff}"
+
+
+def test_the_readme_gives_the_tables_size() -> None:
+    """The README's guarantees quote how many cases this table holds."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    quoted = re.search(r"a table of (\d+) cases in `tests/test_bad_inputs.py`", readme)
+    assert quoted is not None and int(quoted.group(1)) == len(CASES)
 
 
 def test_the_table_covers_every_public_function() -> None:
