@@ -105,16 +105,34 @@ class Completion:
         self.ready = [0] * len(self.ready)
         self.completed = [False] * len(self.completed)
 
+    def restart(self, on_complete: Callable[[int], None]) -> None:
+        """Watch the same leaves for another step, completing buckets through `on_complete`:
+        nothing fired, nothing used yet."""
+        self.reset()
+        self.used = [[False] * len(flags) for flags in self.fired]
+        self.armed = True
+        self.on_complete = on_complete
+
+    def stop(self) -> None:
+        """Keep the hooks but drop `on_complete` (often a method of the owner, which holds this:
+        a reference cycle only the garbage collector would free, every step); a bucket that
+        completes before `restart` (a backward pass outside a step) raises."""
+        self.armed = True
+        self.on_complete = _closed
+
     def close(self) -> None:
-        """Remove the hooks, and drop `on_complete` (often a method of the owner, which holds
-        this: a reference cycle only the garbage collector would free, every step)."""
+        """Remove the hooks, and `stop`."""
         for handle in self.handles:
             handle.remove()
-        self.on_complete = _closed
+        self.handles = []
+        self.stop()
 
 
 def _closed(index: int) -> None:
-    raise RuntimeError(f"bucket {index} completed after its Completion was closed")
+    raise RuntimeError(
+        f"a backward pass outside a train step reached every parameter of bucket {index}: "
+        f"fzero computes gradients inside step(state, batch) only (a graph kept from a step's "
+        f"forward cannot be backpropagated later; its gradients would be lost)")
 
 
 class Reducer:
