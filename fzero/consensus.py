@@ -5,8 +5,11 @@ A step exchanges two small messages on the control channel, so that every rank t
 decision from the same data:
 
 - Before any bucket moves, the step `header`: layout fingerprint, stage, step number, number of
-  micro-batches, kind of step, fingerprint of the buffers (names, shapes, dtypes). A rank
-  resumed from another checkpoint, given another number of micro-batches or another model
+  micro-batches, kind of step, fingerprint of the buffers (names, shapes, dtypes), and for a
+  train step its learning rate and a fingerprint of its other settings (optimizer
+  hyperparameters, clipping, weight-decay rule...). A rank resumed from another checkpoint,
+  given another number of micro-batches, another model or another learning rate (each rank
+  updates its own part of the model: a rank-dependent schedule would silently train a mix)
   makes every rank raise here, state untouched. The header need not arrive before the
   computation starts, only before the first collective: a train step of stages 0-2 (which
   communicate first in backward) starts it (`HeaderRound`), runs the forward while it
@@ -23,6 +26,7 @@ decision from the same data:
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -31,7 +35,7 @@ import torch
 from fzero.comm import Comm
 
 __all__ = ["Header", "HeaderRound", "StepError", "Statistics", "agree_header",
-           "exchange_statistics"]
+           "exchange_statistics", "float_bits"]
 
 _MESSAGE_BYTES = 400  # a failing rank's error text, truncated, shown on every rank
 _HALF = 2**31
@@ -63,6 +67,8 @@ class Header(NamedTuple):
     micro_batches: int
     kind: int  # 0: train step, 1: eval step
     buffers: int  # fingerprint of the state's buffer names, shapes and dtypes as an int
+    lr: int = 0  # the train step's learning rate: its float64 bits as an int (eval: 0)
+    settings: int = 0  # fingerprint of the train step's other settings (eval: 0)
 
 
 def agree_header(
@@ -159,11 +165,24 @@ _HEADER_HINTS = {
     "kind": "Every rank must call the same kind of step (train or eval) at the same time.",
     "buffers": "Every rank must hold the same buffers (names, shapes, dtypes): rank 0's are "
                "broadcast into the others' byte for byte.",
+    "lr": "Every rank must use the same learning rate at every step: each updates its own "
+          "part of the model with it (a schedule must not depend on the rank, e.g. on the "
+          "length of the rank's own data).",
+    "settings": "Every rank must train with the same settings: the optimizer and its "
+                "hyperparameters, clip_norm, max_skipped, the buffers policy and the "
+                "weight-decay rule.",
 }
 
 
+def float_bits(value: float) -> int:
+    """A float64's bits as an int64 (for a header: equal exactly when the floats are)."""
+    return int(struct.unpack("<q", struct.pack("<d", value))[0])
+
+
 def _show(field: str, value: int) -> str:
-    return f"{value:#x}" if field in ("fingerprint", "buffers") else str(value)
+    if field == "lr":
+        return repr(struct.unpack("<d", struct.pack("<q", value))[0])
+    return f"{value:#x}" if field in ("fingerprint", "buffers", "settings") else str(value)
 
 
 class Statistics(NamedTuple):

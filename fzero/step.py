@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -52,6 +53,7 @@ from fzero.consensus import (
     StepError,
     agree_header,
     exchange_statistics,
+    float_bits,
 )
 from fzero.flat import alias_leaves, all_finite, entry_views, shard_view, unflatten
 from fzero.optim import Schedule, clip_coefficient
@@ -193,6 +195,19 @@ def make_train_step(
     binder = Binder(model)
     plans: dict[tuple[str, int, int], Any] = {}  # decay ranges per (layout, stage, rank)
     leaves = _LeafCache()  # stages 0-2: the leaves of the state's tensors, across steps
+    decayed: dict[str, tuple[str, ...] | None] = {}  # per layout: the names `decay` selects
+
+    def settings(state: ShardState) -> int:
+        """A fingerprint of what else this step applies, which every rank must share."""
+        fingerprint = state.layout.fingerprint
+        if fingerprint not in decayed:
+            decayed[fingerprint] = None if decay is None else tuple(
+                e.name for b in state.layout.buckets if b.trainable for e in b.entries
+                if decay(e.name, e.shape))
+        spec = state.config.optimizer.spec
+        described = repr((spec.to_json() if spec is not None else None, clip_norm,
+                          max_skipped, buffers, decayed[fingerprint]))
+        return int(hashlib.blake2b(described.encode(), digest_size=8).hexdigest(), 16) >> 4
 
     def step(state: ShardState, batch: Any) -> tuple[ShardState, dict[str, Any]]:
         if not isinstance(state, ShardState):
@@ -200,6 +215,8 @@ def make_train_step(
                             f"{type(state).__name__}")
         problem: Exception | None = None
         micro_batches: list[Any] = []
+        step_lr: float | None = None
+        agreed = (0, 0)  # the header's learning rate and settings
         try:  # checks that may fail on one rank only: reported to all through the header
             check_live(state, "step")
             _check_model(model, state, requires_grad=state.config.requires_grad)
@@ -210,18 +227,23 @@ def make_train_step(
             if _rows(micro_batches) == 0:
                 raise ValueError("step: the batch has no rows (every tensor's dim 0 is 0): a "
                                  "mean over no rows is undefined")
+            step_lr = _schedule_lr(lr, state.step + 1)
+            applied = step_lr if step_lr is not None else _schedule_lr(
+                state.config.optimizer.lr, state.step + 1)
+            agreed = (float_bits(applied if applied is not None else 0.0), settings(state))
         except (TypeError, ValueError) as exc:
             problem = exc
         with state.config.comm.scope(f"train step {state.step + 1}"):
-            return _train(state, micro_batches, problem)
+            return _train(state, micro_batches, problem, step_lr, agreed)
 
     def _train(
-        state: ShardState, micro_batches: list[Any], problem: Exception | None
+        state: ShardState, micro_batches: list[Any], problem: Exception | None,
+        step_lr: float | None, agreed: tuple[int, int],
     ) -> tuple[ShardState, dict[str, Any]]:
         comm = state.config.comm
         control = comm.channel(_CONTROL, host=True)
-        header = HeaderRound(control, _header(state, len(micro_batches), kind=0),
-                             what="train step", own=problem)
+        header = HeaderRound(control, _header(state, len(micro_batches), kind=0)._replace(
+            lr=agreed[0], settings=agreed[1]), what="train step", own=problem)
         if problem is not None or state.stage == 3:
             header.check()  # nothing to compute, or a collective comes first (stage 3 gathers)
         # Otherwise the header travels during the first forward; the first reduction (or any
@@ -242,7 +264,6 @@ def make_train_step(
         squared_norm = stats.squared_norm
         grad_norm = math.sqrt(squared_norm) if squared_norm >= 0 else float("nan")
         finite = math.isfinite(grad_norm)
-        step_lr = _resolve_lr(lr, next_step)
         param_steps = state.param_steps
         used = _used_globally(stats.used, run.used)
         if finite:
@@ -271,8 +292,8 @@ def make_train_step(
             "grad_norm": grad_norm,
             "skipped": not finite,
             "nonfinite_ranks": list(stats.nonfinite),
-            "lr": step_lr if step_lr is not None else _resolve_lr(state.config.optimizer.lr,
-                                                                   next_step),
+            "lr": step_lr if step_lr is not None else _schedule_lr(state.config.optimizer.lr,
+                                                                    next_step),
             "step": new_state.step,
             "comm_bytes": sum(by_kind.values()),
             "comm_bytes_by_kind": by_kind,
@@ -1204,7 +1225,16 @@ def _rows(micro_batches: Sequence[Any]) -> int:
     return rows
 
 
-def _resolve_lr(lr: float | Schedule | None, step: int) -> float | None:
+def _schedule_lr(lr: float | Schedule | None, step: int) -> float | None:
+    """The learning rate `lr` gives step `step` (None: none given).
+
+    Raises:
+        ValueError: the schedule raised, or gave something that is not a number.
+    """
     if lr is None:
         return None
-    return float(lr(step)) if callable(lr) else float(lr)
+    try:
+        return float(lr(step)) if callable(lr) else float(lr)
+    except Exception as exc:  # on this rank only, maybe: the step header reports it to all
+        raise ValueError(f"the learning rate for step {step} could not be computed: "
+                         f"{type(exc).__name__}: {exc}") from exc

@@ -972,3 +972,63 @@ def test_a_write_into_a_tied_parameter_names_every_name(stage: int) -> None:
     for kind, message in outcomes:
         assert kind == "ValueError", message  # both ranks hold part of the embedding
         assert "['lm_head.weight', 'tok_emb.weight'] were written in place" in message
+
+
+# ----------------------------------------------------------------------------------------------
+# Ranks that would apply different settings: each updates its own part of the model with them.
+
+
+def _settings_outcome(comm: Any, *, how: str) -> Any:
+    """Two steps whose settings differ on rank 1 (`how`): the outcome per rank, with the bytes
+    moved and whether the state's values changed."""
+    model = gb.BatchNormNet()
+    odd = comm.rank == 1
+    decay = 0.1 if how == "optimizer" and odd else 0.0
+    optimizer = fzero.optim.sgd(lr=0.1, momentum=0.9, weight_decay=decay)
+    state = fzero.init(model, stage=2, optimizer=optimizer, comm=comm)
+    kwargs: dict[str, Any] = {}
+    if how == "schedule":  # a schedule computed from this rank's own data length
+        kwargs["lr"] = lambda step: 0.1 * (1 + comm.rank) / step
+    elif how == "clip_norm":
+        kwargs["clip_norm"] = 1.0 if odd else None
+    elif how == "decay":
+        kwargs["decay"] = fzero.decay_matrices if odd else None
+    elif how == "raising schedule":
+        kwargs["lr"] = lambda step: 0.1 / (step - 1 if odd else step)
+    step = fzero.make_train_step(model, gb.mse_loss, **kwargs)
+    batch = gb.rank_rows(gb.mse_batches(1, rows=4 * comm.world_size, d_in=5, d_out=3)[0],
+                         comm.rank, comm.world_size)
+    before = [t.clone() for t in state.params]
+    sent = comm.counters.total()
+    try:
+        step(state, batch)
+    except Exception as exc:  # reported to the test, per rank
+        same = all(torch.equal(a, b) for a, b in zip(before, state.params, strict=True))
+        return type(exc).__name__, str(exc), comm.counters.total() - sent, same
+    return None
+
+
+@pytest.mark.parametrize(("how", "field"), [
+    ("schedule", "lr"), ("optimizer", "settings"), ("clip_norm", "settings"),
+    ("decay", "settings"),
+])
+def test_ranks_with_different_step_settings_raise_before_anything_moves(
+    how: str, field: str
+) -> None:
+    """Each rank updates its own shard: a rank-dependent learning rate (a schedule computed
+    from the length of the rank's own data), optimizer hyperparameter, clipping or decay rule
+    trained a silent mix of settings."""
+    for kind, message, moved, same in fzero.SimWorld(3).run(_settings_outcome, how=how):
+        assert kind == "StepError" and moved == 0 and same, message
+        assert f"ranks disagree on the {field} before it started" in message
+    if field == "lr":
+        assert "0.1 on ranks [0]; 0.2 on ranks [1]; 0.30000000000000004 on ranks [2]" in message
+
+
+def test_a_schedule_that_raises_on_one_rank_stops_every_rank() -> None:
+    outcomes = fzero.SimWorld(2).run(_settings_outcome, how="raising schedule")
+    kind, message, moved, same = outcomes[1]
+    assert kind == "ValueError" and moved == 0 and same
+    assert "learning rate for step 1 could not be computed: ZeroDivisionError" in message
+    kind, message, moved, same = outcomes[0]
+    assert kind == "StepError" and "rank(s) [1] could not start it" in message and moved == 0
