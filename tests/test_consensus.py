@@ -11,17 +11,11 @@ import torch
 from torch import nn
 
 import fzero
-from fzero.consensus import (
-    Header,
-    HeaderRound,
-    StepError,
-    agree_header,
-    exchange_statistics,
-    float_bits,
-)
+from fzero import consensus
+from fzero.consensus import Header, HeaderRound, StepError, agree_header, exchange_statistics
 
 HEADER = Header(fingerprint=0xABC, stage=3, step=4, micro_batches=2, kind=0, buffers=0xDEF,
-                lr=float_bits(1e-3), settings=0x123)
+                lr=consensus.float_bits(1e-3), settings=0x123)
 
 
 def statistics_body(comm: Any, *, signatures: dict[int, list[int]], used: dict[int, list[bool]],
@@ -90,7 +84,7 @@ def header_body(comm: Any, *, headers: dict[int, Header], own: dict[int, Excepti
     ("kind", 1, "0 on ranks [0, 1]; 1 on ranks [2]"),
     ("fingerprint", 0xABD, "0xabc on ranks [0, 1]; 0xabd on ranks [2]"),
     ("buffers", 0xDEE, "0xdef on ranks [0, 1]; 0xdee on ranks [2]"),
-    ("lr", float_bits(math.nextafter(1e-3, 1.0)),  # one ulp: compared exactly
+    ("lr", consensus.float_bits(math.nextafter(1e-3, 1.0)),  # one ulp: compared exactly
      "0.001 on ranks [0, 1]; 0.0010000000000000002 on ranks [2]"),
     ("settings", 0x124, "0x123 on ranks [0, 1]; 0x124 on ranks [2]"),
 ])
