@@ -169,8 +169,9 @@ _HEADER_HINTS = {
           "part of the model with it (a schedule must not depend on the rank, e.g. on the "
           "length of the rank's own data).",
     "settings": "Every rank must train with the same settings: the optimizer and its "
-                "hyperparameters, clip_norm, max_skipped, the buffers policy and the "
-                "weight-decay rule.",
+                "hyperparameters, clip_norm, max_skipped, the buffers policy, the "
+                "weight-decay rule and the state's dtypes (param_dtype, master_dtype, "
+                "reduce_dtype).",
 }
 
 

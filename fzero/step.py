@@ -204,9 +204,12 @@ def make_train_step(
             decayed[fingerprint] = None if decay is None else tuple(
                 e.name for b in state.layout.buckets if b.trainable for e in b.entries
                 if decay(e.name, e.shape))
-        spec = state.config.optimizer.spec
+        config, scale = state.config, state.loss_scale
+        spec = config.optimizer.spec
         described = repr((spec.to_json() if spec is not None else None, clip_norm,
-                          max_skipped, buffers, decayed[fingerprint]))
+                          max_skipped, buffers, decayed[fingerprint], str(config.param_dtype),
+                          str(config.master_dtype), str(config.reduce_dtype),
+                          None if scale is None else (scale.scale, scale.good_steps)))
         return int(hashlib.blake2b(described.encode(), digest_size=8).hexdigest(), 16) >> 4
 
     def step(state: ShardState, batch: Any) -> tuple[ShardState, dict[str, Any]]:

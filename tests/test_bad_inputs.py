@@ -985,7 +985,8 @@ def _settings_outcome(comm: Any, *, how: str) -> Any:
     odd = comm.rank == 1
     decay = 0.1 if how == "optimizer" and odd else 0.0
     optimizer = fzero.optim.sgd(lr=0.1, momentum=0.9, weight_decay=decay)
-    state = fzero.init(model, stage=2, optimizer=optimizer, comm=comm)
+    master = torch.float32 if how == "master_dtype" and odd else None
+    state = fzero.init(model, stage=2, optimizer=optimizer, comm=comm, master_dtype=master)
     kwargs: dict[str, Any] = {}
     if how == "schedule":  # a schedule computed from this rank's own data length
         kwargs["lr"] = lambda step: 0.1 * (1 + comm.rank) / step
@@ -1010,14 +1011,15 @@ def _settings_outcome(comm: Any, *, how: str) -> Any:
 
 @pytest.mark.parametrize(("how", "field"), [
     ("schedule", "lr"), ("optimizer", "settings"), ("clip_norm", "settings"),
-    ("decay", "settings"),
+    ("decay", "settings"), ("master_dtype", "settings"),
 ])
 def test_ranks_with_different_step_settings_raise_before_anything_moves(
     how: str, field: str
 ) -> None:
     """Each rank updates its own shard: a rank-dependent learning rate (a schedule computed
-    from the length of the rank's own data), optimizer hyperparameter, clipping or decay rule
-    trained a silent mix of settings."""
+    from the length of the rank's own data), optimizer hyperparameter, clipping, decay rule or
+    master dtype (rank 1 keeps a float32 master copy of the float64 model) trained a silent
+    mix of settings."""
     for kind, message, moved, same in fzero.SimWorld(3).run(_settings_outcome, how=how):
         assert kind == "StepError" and moved == 0 and same, message
         assert f"ranks disagree on the {field} before it started" in message
