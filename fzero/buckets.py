@@ -146,8 +146,9 @@ class Reducer:
       rank's shard.
     - ``"scatter_leaves"`` (stages 2 and 3): once per micro-batch each bucket's leaf gradients
       are copied into one flat padded buffer (a leaf without gradient contributes zeros), the
-      leaves' ``.grad`` freed, and the buffer reduce-scattered (averaged); the result is added
-      into ``grads[b]``, this rank's gradient shard.
+      leaves' ``.grad`` freed, and the buffer reduce-scattered (averaged); the result is copied
+      into ``grads[b]``, this rank's gradient shard, by the Reducer's first round and added by
+      later ones (micro-batches), so the shards need no zeroing first.
 
         `complete(b)` marks a bucket ready; buckets are launched strictly in `order`, as soon as
     every bucket before them is. `launch_rest` launches what is left (a bucket some leaf never
@@ -205,6 +206,9 @@ class Reducer:
         self.next = 0  # position in `order` of the next bucket to launch
         self.pending: list[_Flight] = []
         self.results: dict[int, Tensor] = {}
+        # "scatter_leaves": the buckets whose shard holds nothing of this step yet: their first
+        # reduction is copied in (no zeroing pass over the shards first), later ones added.
+        self.fresh: set[int] = set(self.order) if mode == "scatter_leaves" else set()
         self.spares: list[Tensor] = []  # flat gradient buffers of settled reductions
         self.live_bytes = 0  # flat gradient buffers alive (being reduced)
         self.peak_bytes = 0
@@ -247,6 +251,11 @@ class Reducer:
         for flight in self.pending:
             self._settle(flight)
         self.pending = []
+        for index in sorted(self.fresh):  # never reduced in this round (none is): nothing
+            grad = self.grads[index]
+            assert grad is not None
+            grad.zero_()
+        self.fresh.clear()
         self.spares.clear()  # reused within a round only: nothing bucket-sized outlives it
         self.ready = [False] * len(self.ready)
         self.next = 0
@@ -353,7 +362,11 @@ class Reducer:
         if self.mode == "scatter_leaves":
             target = self.grads[index]
             assert target is not None
-            target.add_(value)
+            if index in self.fresh:
+                target.copy_(value)
+                self.fresh.discard(index)
+            else:
+                target.add_(value)
             self.live_bytes -= self.layout.buckets[index].padded_numel * value.element_size()
             assert flight.scratch is not None
             self.spares.append(flight.scratch)  # its reduction is done: free for the next

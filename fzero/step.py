@@ -623,8 +623,9 @@ class _ReplicatedSession:
         self.bound = leaves
         self.leaves = leaves.leaves
         self.versions = _versions(self.leaves)
-        for grad in trainable_only(state.grads):
-            grad.zero_()
+        if stage < 2:  # autograd accumulates into them (stage 2: the reducer copies in)
+            for grad in trainable_only(state.grads):
+                grad.zero_()
         mode = ("all_reduce", "scatter_full", "scatter_leaves")[stage]
         self.reducer: Reducer | None = Reducer(
             state.config.comm, layout, self.leaves, state.grads,
@@ -722,9 +723,7 @@ class _ShardedSession:
         self.leaves = self.residency.leaves
         self.versions = _versions(self.leaves)
         self.reducer: Reducer | None = None
-        if train:
-            for grad in trainable_only(state.grads):
-                grad.zero_()
+        if train:  # the reducer copies each bucket's first reduction into its shard
             self.reducer = Reducer(comm, layout, self.leaves, state.grads,
                                    reduce_order(state.trainable, order.forward),
                                    mode="scatter_leaves", streams=self.streams,

@@ -329,6 +329,34 @@ def test_stage1_reducer_settles_each_reduction_before_launching_the_next(
     assert outstanding == {0: [0, 0, 0], 1: [0, 0, 0]}
 
 
+def test_scatter_leaves_copies_the_first_round_and_adds_the_rest() -> None:
+    """Stages 2-3 do not zero the gradient shards before a step: each bucket's first reduction
+    is copied into its shard, later micro-batches' are added; a bucket no round reduced (none
+    does in a step: every round launches every bucket) is zeroed rather than left stale."""
+
+    def body(comm: Any) -> list[list[float]]:
+        params = {"w0": torch.ones(4), "w1": torch.ones(4)}  # no padding: alike on each rank
+        layout = fzero.plan(params, comm.world_size, buckets=[["w0"], ["w1"]])
+        leaves = [[torch.zeros(b.numel, requires_grad=True)] for b in layout.buckets]
+        grads = [torch.full((b.shard_numel,), 99.0) for b in layout.buckets]  # stale values
+        reducer = Reducer(comm, layout, leaves, grads, (1, 0), mode="scatter_leaves")
+        out = []
+        for round_ in (1, 2):  # two micro-batches: gradients round + rank on every leaf
+            for bucket_leaves, bucket in zip(leaves, layout.buckets, strict=True):
+                bucket_leaves[0].grad = torch.full((bucket.numel,), float(round_ + comm.rank))
+            for index in (1, 0):
+                reducer.complete(index)
+            out.append([g.tolist() for g in reducer.finish()])
+        idle = Reducer(comm, layout, leaves, grads, (1, 0), mode="scatter_leaves")
+        out.append([g.tolist() for g in idle.finish()])  # nothing reduced: zeros, not 99
+        return out
+
+    for first, second, idle in fzero.SimWorld(2).run(body):  # means: round + 0.5
+        assert first == [[1.5, 1.5], [1.5, 1.5]]
+        assert second == [[4.0, 4.0], [4.0, 4.0]]  # 1.5 + 2.5
+        assert idle == [[0.0, 0.0], [0.0, 0.0]]
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stages_1_2_publish_with_a_bounded_window(
     monkeypatch: pytest.MonkeyPatch, stage: int
