@@ -251,8 +251,8 @@ class Reducer:
         for flight in self.pending:
             self._settle(flight)
         self.pending = []
-        for index in sorted(self.fresh):  # never reduced in this round (none is): nothing
-            grad = self.grads[index]
+        for index in sorted(self.fresh):  # not reduced this round: it holds nothing of the step
+            grad = self.grads[index]  # (every round launches every bucket: a safety net)
             assert grad is not None
             grad.zero_()
         self.fresh.clear()
