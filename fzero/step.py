@@ -218,8 +218,9 @@ def make_train_step(
                             f"{type(state).__name__}")
         problem: Exception | None = None
         micro_batches: list[Any] = []
-        step_lr: float | None = None
-        agreed = (0, 0)  # the header's learning rate and settings
+        step_lr: float | None = None  # given to this step (None: the optimizer's schedule)
+        applied: float | None = None  # what the update applies
+        agreed = 0  # the settings' fingerprint
         try:  # checks that may fail on one rank only: reported to all through the header
             check_live(state, "step")
             _check_model(model, state, requires_grad=state.config.requires_grad)
@@ -233,20 +234,21 @@ def make_train_step(
             step_lr = _schedule_lr(lr, state.step + 1)
             applied = step_lr if step_lr is not None else _schedule_lr(
                 state.config.optimizer.lr, state.step + 1)
-            agreed = (float_bits(applied if applied is not None else 0.0), settings(state))
+            agreed = settings(state)
         except (TypeError, ValueError) as exc:
             problem = exc
         with state.config.comm.scope(f"train step {state.step + 1}"):
-            return _train(state, micro_batches, problem, step_lr, agreed)
+            return _train(state, micro_batches, problem, step_lr, applied, agreed)
 
     def _train(
         state: ShardState, micro_batches: list[Any], problem: Exception | None,
-        step_lr: float | None, agreed: tuple[int, int],
+        step_lr: float | None, applied: float | None, agreed: int,
     ) -> tuple[ShardState, dict[str, Any]]:
         comm = state.config.comm
         control = comm.channel(_CONTROL, host=True)
-        header = HeaderRound(control, _header(state, len(micro_batches), kind=0)._replace(
-            lr=agreed[0], settings=agreed[1]), what="train step", own=problem)
+        header = HeaderRound(control, _header(state, len(micro_batches), kind=0, lr=applied,
+                                              settings=agreed),
+                             what="train step", own=problem)
         if problem is not None or state.stage == 3:
             header.check()  # nothing to compute, or a collective comes first (stage 3 gathers)
         # Otherwise the header travels during the first forward; the first reduction (or any
@@ -295,8 +297,7 @@ def make_train_step(
             "grad_norm": grad_norm,
             "skipped": not finite,
             "nonfinite_ranks": list(stats.nonfinite),
-            "lr": step_lr if step_lr is not None else _schedule_lr(state.config.optimizer.lr,
-                                                                    next_step),
+            "lr": applied,
             "step": new_state.step,
             "comm_bytes": sum(by_kind.values()),
             "comm_bytes_by_kind": by_kind,
@@ -843,10 +844,15 @@ def _sharded(
 # --- the phases after backward ----------------------------------------------------------------
 
 
-def _header(state: ShardState, micro_batches: int, *, kind: int) -> Header:
+def _header(
+    state: ShardState, micro_batches: int, *, kind: int, lr: float | None = None,
+    settings: int = 0,
+) -> Header:
+    """This rank's header (`lr`, `settings`: a train step's learning rate and settings)."""
     fingerprint = int(state.layout.fingerprint, 16) >> 4  # 60 bits: fits an int64
     buffers = int(buffers_fingerprint(state.buffers), 16) >> 4
-    return Header(fingerprint, state.stage, state.step, micro_batches, kind, buffers)
+    return Header(fingerprint, state.stage, state.step, micro_batches, kind, buffers,
+                  float_bits(lr) if lr is not None else 0, settings)
 
 
 def _exchange(state: ShardState, run: _Run, control: Comm) -> Any:
