@@ -30,7 +30,7 @@ import hashlib
 import itertools
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -231,40 +231,56 @@ def requires_grad_flags(
 
 
 class ModuleVersions:
-    """Which of a module's own tensors were written in place since a state was built from it.
+    """Which of a module's own tensors were written or converted since a state was built from it.
 
     A state takes the module's values once, when it is built (`fzero.init`, or
     `fzero.checkpoint.load` with a model); from then on a step reads the state's tensors and
     never the module's. A write into the module's own parameters or buffers afterwards
-    (``model.load_state_dict(pretrained)``, a ``copy_`` under ``no_grad``) would be silently
-    ignored, so steps look for one: each tensor's version counter, bumped by every in-place
-    write, is recorded here and compared. A tensor the module has since *replaced* (another
-    object under that name: ``model.to("meta")``, an assignment) is not watched any more; a
-    write through ``.data`` bumps no counter and is not seen. Tensors on ``meta`` hold no
-    values and are not watched.
+    (``model.load_state_dict(pretrained)``, a ``copy_`` under ``no_grad``) or a conversion of
+    them (``model.to(torch.bfloat16)``, ``model.cuda()``: the same objects over new data)
+    would be silently ignored, so steps look for one: each tensor's version counter, bumped by
+    every in-place write, its data pointer, dtype and device are recorded here and compared. A
+    tensor the module has since *replaced* (another object under that name:
+    ``model.to("meta")``, an assignment) is not watched any more; an in-place write through
+    ``.data`` (``p.data.copy_(x)``) bumps no counter and is not seen. Tensors on ``meta`` hold
+    no values and are not watched.
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self._seen: dict[str, tuple[weakref.ref[Tensor], int]] = {}
-        for name, tensor in _own_tensors(model):
-            if not tensor.is_meta:
-                self._seen[name] = (weakref.ref(tensor), tensor._version)
+        self._seen: dict[str, _Seen] = {}
+        self.accept(dict(_own_tensors(model)))
 
     def written(self, model: nn.Module) -> dict[str, Tensor]:
         """The module's tensors (by name, tied names included) that are the objects recorded
-        and were written in place since."""
+        and were written in place or given new data since."""
         found = {}
-        for name, (ref, version) in self._seen.items():  # no walk of the module: a step's cost
-            tensor = ref()
-            if tensor is not None and tensor._version != version and _holds(model, name, tensor):
+        for name, seen in self._seen.items():  # no walk of the module: a step's cost
+            tensor = seen.ref()
+            if (tensor is not None
+                    and (tensor._version != seen.version or tensor.data_ptr() != seen.pointer)
+                    and _holds(model, name, tensor)):
                 found[name] = tensor
         return found
 
+    def kind(self, name: str) -> tuple[torch.dtype, torch.device]:
+        """The dtype and device tensor `name` had when it was last seen."""
+        return self._seen[name].kind
+
     def accept(self, tensors: Mapping[str, Tensor]) -> None:
-        """Take these tensors' current versions as seen (their values were found to be the
-        state's: e.g. the state's values exported into the module)."""
+        """Take these tensors as they are now as seen (when the state was built, or when their
+        values were found to be the state's: e.g. the state's values exported into the
+        module)."""
         for name, tensor in tensors.items():
-            self._seen[name] = (weakref.ref(tensor), tensor._version)
+            if not tensor.is_meta:
+                self._seen[name] = _Seen(weakref.ref(tensor), tensor._version,
+                                         tensor.data_ptr(), (tensor.dtype, tensor.device))
+
+
+class _Seen(NamedTuple):
+    ref: weakref.ref[Tensor]
+    version: int
+    pointer: int
+    kind: tuple[torch.dtype, torch.device]
 
 
 def module_versions(model: nn.Module | Mapping[str, Tensor]) -> ModuleVersions | None:

@@ -1133,9 +1133,10 @@ def _check_model(
 
 
 def _check_module_writes(model: nn.Module, state: ShardState) -> None:
-    """Raise if the module's own tensors were written in place since the state was built and
-    now hold other values than the state's (`fzero.bound.ModuleVersions`): a step would ignore
-    them. Values equal to the state's (its parameters exported into the module) are accepted.
+    """Raise if the module's own tensors were converted or moved since the state was built (to
+    other than the state's own dtype and device), or written in place or given new data that
+    differ from the state's values (`fzero.bound.ModuleVersions`): a step would ignore them.
+    Values equal to the state's (its parameters exported into the module) are accepted.
     Stage 3 compares this rank's shard only; a rank that sees a difference raises, and the step
     header makes every rank raise with it."""
     versions = state.config.module_versions
@@ -1144,10 +1145,25 @@ def _check_module_writes(model: nn.Module, state: ShardState) -> None:
     written = versions.written(model)
     if not written:
         return
+    located = state.layout.locate()
+    converted = {}
+    for name, tensor in written.items():
+        now, before = (tensor.dtype, tensor.device), versions.kind(name)
+        if now not in (before, _state_kind(state, name, located)):
+            converted[name] = f"{before[0]} on {before[1]} -> {now[0]} on {now[1]}"
+    if converted:
+        raise ValueError(
+            f"the module's own tensors were converted or moved after the state was built, "
+            f"{len(converted)} of them, {dict(sorted(converted.items())[:5])} "
+            f"(model.to(dtype), model.half(), model.cuda(), ...). A step computes with the "
+            f"state's tensors, in the dtypes and on the device they were built with "
+            f"(fzero.init's param_dtype, master_dtype, device), and never reads the module's "
+            f"tensors again: convert or move the model "
+            f"before fzero.init, or pass the dtypes and device to it"
+        )
     by_tensor: dict[int, list[str]] = {}
     for name, tensor in written.items():
         by_tensor.setdefault(id(tensor), []).append(name)
-    located = state.layout.locate()
     differ = []
     for names in by_tensor.values():
         tensor = written[names[0]]
@@ -1165,6 +1181,15 @@ def _check_module_writes(model: nn.Module, state: ShardState) -> None:
             f"fzero.full_params(state)"
         )
     versions.accept(written)
+
+
+def _state_kind(state: ShardState, name: str, located: Mapping[str, tuple[int, Any]]
+                ) -> tuple[torch.dtype, torch.device] | None:
+    """The dtype and device in which the state holds parameter or buffer `name` (None: it
+    holds none)."""
+    held = (state.buffers.get(name) if name in state.buffers
+            else state.params[located[name][0]] if name in located else None)
+    return None if held is None else (held.dtype, held.device)
 
 
 def _holds_state_values(state: ShardState, name: str, tensor: Tensor) -> bool:

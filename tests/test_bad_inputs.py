@@ -844,24 +844,33 @@ def _write_outcome(comm: Any, *, stage: int, write_rank: int, how: str) -> Any:
                 model.fc2.weight.add_(1.0)
             elif how == "buffer":
                 model.bn.running_mean.fill_(3.0)
+            elif how == "new data":  # the same object over other values: no version bump
+                model.fc2.weight.data = model.fc2.weight.data + 1.0
+            elif how == "convert":  # the net is float64
+                model.float()
 
     return _outcome_after_change(comm, stage=stage, change_rank=write_rank, change=write)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("how", ["load", "parameter", "buffer"])
+@pytest.mark.parametrize("how", ["load", "parameter", "buffer", "new data", "convert"])
 def test_writing_the_modules_tensors_after_the_state_was_built_raises(
     stage: int, how: str
 ) -> None:
-    """The state took the module's values at init; a later load_state_dict or in-place write
-    into the module would be silently ignored (training would go on from the old values)."""
+    """The state took the module's values at init; a later load_state_dict, in-place write or
+    conversion of the module would be silently ignored (training would go on from the old
+    values, in the old dtype)."""
     outcomes = fzero.SimWorld(2).run(_write_outcome, stage=stage, write_rank=1, how=how)
     kind, message, moved = outcomes[1]
     assert kind == "ValueError" and moved == 0, outcomes[1]
-    assert "were written in place after the state was built" in message
-    expected = {"load": "'bn.running_mean'", "parameter": "['fc2.weight']",
-                "buffer": "['bn.running_mean']"}[how]
-    assert expected in message
+    if how == "convert":
+        assert "were converted or moved after the state was built" in message
+        assert "6 of them, {'bn.bias': 'torch.float64 on cpu -> torch.float32 on cpu'" in message
+    else:
+        assert "were written in place after the state was built" in message
+        expected = {"load": "'bn.running_mean'", "parameter": "['fc2.weight']",
+                    "buffer": "['bn.running_mean']", "new data": "['fc2.weight']"}[how]
+        assert expected in message
     kind, message, moved = outcomes[0]
     assert kind == "StepError" and "rank(s) [1] could not start it" in message and moved == 0
 
@@ -897,6 +906,34 @@ def test_the_states_own_values_written_into_the_module_are_accepted(stage: int) 
     for mine, theirs in zip(exported, plain, strict=True):
         for a, b in zip(mine, theirs, strict=True):
             assert torch.equal(a, b)
+
+
+def _converted_to_the_states_dtype_body(comm: Any, *, convert: bool) -> list[Tensor]:
+    """A bfloat16 state of a float32 GPT; with `convert`, the module is converted to bfloat16
+    after the first step and its parameters given the state's values as new data."""
+    from models import TinyGPT
+
+    model = TinyGPT(n_layer=2)
+    state = fzero.init(model, stage=1, optimizer=gb.make_optimizer(("sgd", gb.SGD)),
+                       comm=comm, param_dtype=torch.bfloat16, master_dtype=torch.float32)
+    step = fzero.make_train_step(model, TinyGPT.loss_fn)
+    batches = [TinyGPT.make_batch(seed, 2) for seed in range(3)]
+    state, _ = step(state, batches[0])
+    if convert:
+        params = fzero.full_params(state)
+        model.to(torch.bfloat16)  # new data, in the dtype the state computes in
+        for name, tensor in model.named_parameters():
+            tensor.data = params[name].clone()  # the state's values: nothing is ignored
+    for batch in batches[1:]:
+        state, _ = step(state, batch)
+    return list(fzero.full_params(state, master=True).values())
+
+
+def test_a_conversion_to_the_states_own_dtype_and_values_is_accepted() -> None:
+    converted = fzero.SimWorld(1).run(_converted_to_the_states_dtype_body, convert=True)[0]
+    plain = fzero.SimWorld(1).run(_converted_to_the_states_dtype_body, convert=False)[0]
+    for a, b in zip(converted, plain, strict=True):
+        assert torch.equal(a, b)
 
 
 def _replaced_body(comm: Any) -> None:
