@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -370,7 +371,9 @@ def init(
 
     Raises:
         ValueError: `stage` is not 0-3, or ranks planned different layouts (parameter names,
-            shapes or dtypes differ across ranks): every rank raises, naming the ranks.
+            shapes or dtypes differ across ranks): every rank raises, naming the ranks. Also
+            when `init_fn` leaves a parameter or buffer of a meta model unwritten, or `load`
+            returns no value for one: every rank raises, naming it.
         TypeError: `optimizer` is not an `fzero.optim.Optimizer`.
     """
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
@@ -514,12 +517,9 @@ def _bucket_source(
         if load is not None:
             values = load([entry.name for entry in bucket.entries])
             return _flat_of(bucket, _pick(values, bucket.entries, "load"), device)
-        values: dict[str, Tensor] = {}
-        for prefix, names in _owners([e.name for e in bucket.entries]).items():
-            module = _materialized(model.get_submodule(prefix), device, init_fn)
-            for name in names:
-                values[name] = getattr(module, name.rsplit(".", 1)[-1])
-        return _flat_of(bucket, values, device)
+        assert init_fn is not None and isinstance(model, nn.Module)
+        names = [e.name for e in bucket.entries]
+        return _flat_of(bucket, _initialized(model, names, device, init_fn), device)
 
     return materialized
 
@@ -541,14 +541,44 @@ def _buffers(
         return {n: torch.empty(b.shape, dtype=b.dtype, device=device) for n, b in named.items()}
     if load is not None:
         values = load(list(named))
+        missing = [name for name in named if name not in values]
+        if missing:
+            raise ValueError(f"load() returned no value for buffers {missing[:5]}")
         return {n: values[n].detach().to(device, b.dtype).clone() for n, b in named.items()}
     assert init_fn is not None
-    out = {}
-    for prefix, names in _owners(list(named)).items():
+    return _initialized(model, list(named), device, init_fn)
+
+
+def _initialized(
+    model: nn.Module, names: Sequence[str], device: torch.device,
+    init_fn: Callable[[nn.Module], None],
+) -> dict[str, Tensor]:
+    """The values of parameters and buffers `names` of a meta `model` on `device`: each owning
+    module materialized alone and initialized by `init_fn` (`_materialized`).
+
+    Raises:
+        ValueError: `init_fn` left some of them unwritten (a module type it does not handle):
+            their fresh memory would silently become the state's values. A floating tensor is
+            filled with NaN before `init_fn` runs and must hold none after (so a write through
+            ``.data`` counts); an integer one is filled with its dtype's smallest value and must
+            not hold only that; a bool one is not checked.
+    """
+    values: dict[str, Tensor] = {}
+    for prefix, owned in _owners(names).items():
         module = _materialized(model.get_submodule(prefix), device, init_fn)
-        for name in names:
-            out[name] = getattr(module, name.rsplit(".", 1)[-1]).detach()
-    return out
+        for name in owned:
+            values[name] = getattr(module, name.rsplit(".", 1)[-1]).detach()
+    left = [name for name, value in values.items() if _unwritten(value)]
+    if left:
+        owners = sorted({type(model.get_submodule(n.rsplit(".", 1)[0]) if "." in n else model)
+                         .__name__ for n in left})
+        raise ValueError(
+            f"init_fn left {len(left)} tensor(s) uninitialized, {left[:5]} (of modules "
+            f"{owners[:5]}): they still hold the fill fzero puts in fresh memory (NaN). init_fn "
+            f"is called once per module with that module's own parameters and buffers "
+            f"materialized; it must set every one of them, whatever the module's type"
+        )
+    return values
 
 
 def _owners(names: Sequence[str]) -> dict[str, list[str]]:
@@ -562,12 +592,29 @@ def _owners(names: Sequence[str]) -> dict[str, list[str]]:
 def _materialized(
     module: nn.Module, device: torch.device, init_fn: Callable[[nn.Module], None]
 ) -> nn.Module:
-    """A copy of `module` with its own parameters and buffers on `device`, initialized."""
+    """A copy of `module` with its own parameters and buffers on `device`, initialized by
+    `init_fn` (over a fill that tells what it left unwritten: `_unwritten`)."""
     shadow = copy.deepcopy(module)  # meta: no memory
     shadow.to_empty(device=device, recurse=False)
     with torch.no_grad():
+        for tensor in itertools.chain(shadow.parameters(recurse=False),
+                                      shadow.buffers(recurse=False)):
+            if tensor.is_floating_point() or tensor.is_complex():
+                tensor.fill_(float("nan"))
+            elif tensor.dtype != torch.bool:
+                tensor.fill_(torch.iinfo(tensor.dtype).min)
         init_fn(shadow)
     return shadow
+
+
+def _unwritten(tensor: Tensor) -> bool:
+    """Whether `tensor`, filled by `_materialized` before `init_fn` ran, still holds the fill
+    (floating: any NaN; integer: nothing but the fill; bool: never said)."""
+    if tensor.numel() == 0 or tensor.dtype == torch.bool:
+        return False
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(tensor.isnan().any())
+    return bool((tensor == torch.iinfo(tensor.dtype).min).all())
 
 
 def _pick(

@@ -150,3 +150,78 @@ def test_load_missing_a_parameter_is_named():
     with pytest.raises(SimWorldError) as info:
         fzero.SimWorld(1).run(init_and_gather, meta_model(), 3, load=load)
     assert "load() returned no value for parameter 'embed.weight'" in str(info.value.__cause__)
+
+
+def test_load_missing_a_buffer_is_named():
+    def load(names):
+        return {name: torch.zeros(materialized().get_parameter(name).shape) for name in names
+                if name != "scale"}
+
+    with pytest.raises(SimWorldError) as info:
+        fzero.SimWorld(1).run(init_and_gather, meta_model(), 3, load=load)
+    assert "load() returned no value for buffers ['scale']" in str(info.value.__cause__)
+
+
+class Counted(nn.Module):
+    """A module whose own gain, float buffer and integer buffer an init_fn may forget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.gain = nn.Parameter(torch.ones(3))
+        self.register_buffer("offset", torch.zeros(3), persistent=False)
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        return self.lin(x) * self.gain + self.offset
+
+
+def _init_all_but(forget: str, *, through_data: bool = False):
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            weight = module.weight.data if through_data else module.weight
+            weight.normal_()  # through .data: no version bump, still seen as written
+            module.bias.zero_()
+        elif isinstance(module, Counted):
+            for name in ("gain", "offset", "count"):
+                if name != forget:
+                    getattr(module, name).fill_(1)
+    return init
+
+
+def _init_counted(comm, forget: str, through_data: bool = False):
+    with torch.device("meta"):
+        model = Counted()
+    state = fzero.init(model, stage=3, comm=comm, optimizer=fzero.optim.sgd(lr=0.1),
+                       init_fn=_init_all_but(forget, through_data=through_data))
+    return fzero.full_params(state), state.buffers
+
+
+def _expect_failure(comm, forget):
+    try:
+        _init_counted(comm, forget)
+    except ValueError as error:
+        return type(error).__name__, str(error)
+    return None, ""
+
+
+@pytest.mark.parametrize("forget", ["gain", "offset", "count"])
+def test_an_init_fn_that_leaves_a_tensor_unwritten_raises_naming_it(forget):
+    """Fresh memory from to_empty would otherwise silently become the state's values (an
+    init_fn that does not handle one module type, or one buffer)."""
+    outcomes = fzero.SimWorld(2).run(_expect_failure, forget)
+    own, other = outcomes
+    assert own[0] == "ValueError" and f"init_fn left 1 tensor(s) uninitialized, ['{forget}'] " \
+        f"(of modules ['Counted'])" in own[1], own
+    assert other[0] == "ValueError" and "rank 0's init_fn / load= raised" in other[1], other
+    assert f"['{forget}']" in other[1]
+
+
+def test_an_init_fn_that_writes_everything_passes_also_through_data():
+    for through_data in (False, True):
+        (params, buffers), = fzero.SimWorld(1).run(_init_counted, "", through_data)
+        assert torch.equal(params["gain"], torch.ones(3))
+        assert not params["lin.weight"].isnan().any()
+        assert torch.equal(params["lin.bias"], torch.zeros(3))
+        assert torch.equal(buffers["offset"], torch.ones(3))
+        assert buffers["count"].item() == 1
