@@ -406,8 +406,8 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     leaves are shared. A container's length is never taken to mean micro-batches.
 
     Raises:
-        ValueError: a tensor's dim 0 does not divide into `parts`, the batch has no tensor, or
-            `MicroBatches` is empty.
+        ValueError: a tensor's dim 0 does not divide into `parts`, the tensors' dim 0 sizes
+            differ, the batch has no tensor, or `MicroBatches` is empty.
     """
     if isinstance(batch, MicroBatches):
         if not batch:
@@ -428,6 +428,16 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
                 f"a batch tensor of shape {tuple(leaf.shape)} does not split into "
                 f"accum_steps={parts} equal micro-batches along dim 0"
             )
+    if len({leaf.shape[0] for leaf in tensors}) > 1:
+        shapes = [tuple(leaf.shape) for leaf in tensors]
+        raise ValueError(
+            f"the batch's tensors differ in size along dim 0 ({shapes[:5]}): each would be "
+            f"cut into accum_steps={parts} parts along dim 0, pairing a micro-batch's rows with "
+            f"another part of the others (a tensor that is not one row per sample, such as "
+            f"position ids of shape (T,) or cumulative lengths, would be cut too). Keep such "
+            f"tensors out of the batch (close over them in loss_fn), or give "
+            f"fzero.MicroBatches([...]) explicitly"
+        )
     split = [leaf.chunk(parts) if isinstance(leaf, Tensor) else None for leaf in leaves]
     return [
         pytree.tree_unflatten(
