@@ -328,6 +328,8 @@ def plan(
             lists of names: exactly these groups, covering every parameter once.
         trainable: which parameters train. ``None``: ``requires_grad``. Otherwise a mapping
             name -> bool, a predicate ``fn(name) -> bool``, or a collection of trainable names.
+            A tied tensor trains as a whole: a mapping or collection may name any of its names,
+            a predicate is asked about all of them, and flags that disagree raise.
         cap: the size cap (elements) for grouped parameters under the default policies.
         floor: under ``buckets=None``, consecutive groups of one kind (trainable or frozen,
             one dtype) are merged while either holds fewer than `floor` elements, so a
@@ -347,8 +349,9 @@ def plan(
 
     Raises:
         TypeError: a leaf is not a tensor, or a policy has the wrong type.
-        ValueError: `world_size` < 1, a trainable parameter is not floating point, or an
-            explicit bucket list names unknown, repeated or missing parameters.
+        ValueError: `world_size` < 1, a trainable parameter is not floating point, an
+            explicit bucket list names unknown, repeated or missing parameters, or `trainable`
+            names unknown ones or disagrees with itself on a tied tensor.
     """
     _check_world_size(world_size)
     module = params if isinstance(params, nn.Module) else None
@@ -369,7 +372,7 @@ def plan(
     alias_of = {alias: owner for owner, names in aliases.items() for alias in names}
     stored = list(aliases)
 
-    is_trainable = _trainable_predicate(trainable, tensors, alias_of)
+    is_trainable = _trainable_predicate(trainable, tensors, aliases)
     for name in stored:
         tensor = tensors[name]
         if is_trainable(name) and not (tensor.is_floating_point() or tensor.is_complex()):
@@ -424,29 +427,57 @@ def _named_tensors(params: Mapping[str, Any] | nn.Module) -> dict[str, torch.Ten
 
 
 def _trainable_predicate(
-    trainable: TrainableMask, tensors: Mapping[str, torch.Tensor], alias_of: Mapping[str, str]
+    trainable: TrainableMask, tensors: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, list[str]],
 ) -> Callable[[str], bool]:
+    """Whether each parameter trains under `trainable`, a tied tensor decided by all its names.
+
+    A tied tensor is one tensor: it trains or not as a whole. A mapping or a collection may
+    name any of its names (the others follow); a predicate is asked about every name.
+
+    Raises:
+        ValueError: `trainable` names parameters the model does not have, or gives the names of
+            one tied tensor different flags (``lm_head.*`` on a GPT whose head is its
+            embedding: training the head trains the embedding).
+        TypeError: `trainable` is none of the accepted kinds.
+    """
     if trainable is None:
         return lambda name: tensors[name].requires_grad
+    opinion = _opinion(trainable, tensors)
+    decided: dict[str, bool] = {}
+    for owner, others in aliases.items():
+        given = {name: opinion(name) for name in (owner, *others)}
+        flags = {flag for flag in given.values() if flag is not None}
+        if len(flags) > 1:
+            raise ValueError(
+                f"trainable= gives the names of one tied tensor different flags, {given}: they "
+                f"are one tensor, which trains or not as a whole (training one name trains "
+                f"the others); give all of them the same flag"
+            )
+        decided.update(dict.fromkeys(given, flags.pop() if flags else False))
+    return decided.__getitem__
+
+
+def _opinion(
+    trainable: Any, tensors: Mapping[str, torch.Tensor]
+) -> Callable[[str], bool | None]:
+    """What `trainable` says of one name: True, False, or None (a mapping or a collection
+    that does not name it)."""
     if callable(trainable):
         return lambda name: bool(trainable(name))
+    if not isinstance(trainable, Mapping | Collection) or isinstance(trainable, str):
+        raise TypeError(
+            f"trainable must be None, a mapping, a predicate or a collection of names, "
+            f"got {type(trainable).__name__}"
+        )
+    unknown = sorted(set(trainable) - set(tensors))
+    if unknown:
+        raise ValueError(f"trainable= names unknown parameters: {unknown}")
     if isinstance(trainable, Mapping):
-        unknown = sorted(set(trainable) - set(tensors))
-        if unknown:
-            raise ValueError(f"trainable= names unknown parameters: {unknown}")
-        # An alias may carry the flag for its tied owner.
-        flags = {alias_of.get(name, name): bool(flag) for name, flag in trainable.items()}
-        return lambda name: flags.get(name, False)
-    if isinstance(trainable, Collection) and not isinstance(trainable, str):
-        unknown = sorted(set(trainable) - set(tensors))
-        if unknown:
-            raise ValueError(f"trainable= names unknown parameters: {unknown}")
-        names = {alias_of.get(name, name) for name in trainable}
-        return lambda name: name in names
-    raise TypeError(
-        f"trainable must be None, a mapping, a predicate or a collection of names, "
-        f"got {type(trainable).__name__}"
-    )
+        flags = {name: bool(flag) for name, flag in trainable.items()}
+        return flags.get
+    chosen = frozenset(trainable)
+    return lambda name: True if name in chosen else None
 
 
 def _group(

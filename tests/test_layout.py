@@ -283,6 +283,25 @@ def test_alias_carries_the_trainable_flag_of_its_owner():
     assert [b.trainable for b in layout.buckets if "embed.weight" in b.names] == [True]
 
 
+def test_a_predicate_that_names_every_name_of_a_tie_trains_it():
+    layout = fzero.plan(Net(), 2, trainable=lambda n: n in ("embed.weight", "head.weight"))
+    assert [b.trainable for b in layout.buckets if "embed.weight" in b.names] == [True]
+
+
+@pytest.mark.parametrize(("mask", "given"), [
+    # "train the head" (lm_head.* on a GPT whose head is its embedding): asked about every
+    # name, not only the first, the predicate does not say what the tensor does
+    (lambda n: n.startswith("head."), "{'embed.weight': False, 'head.weight': True}"),
+    (lambda n: not n.startswith("head."), "{'embed.weight': True, 'head.weight': False}"),
+    ({"embed.weight": True, "head.weight": False}, "{'embed.weight': True, 'head.weight': False}"),
+])
+def test_names_of_one_tied_tensor_given_different_flags_raise(mask, given):
+    with pytest.raises(ValueError) as info:
+        fzero.plan(Net(), 2, trainable=mask)
+    assert f"trainable= gives the names of one tied tensor different flags, {given}" in str(
+        info.value)
+
+
 def test_numel_beyond_int32_is_exact():
     with torch.device("meta"):
         params = {"huge": torch.empty(3, 2**31 + 7), "tail": torch.empty(5)}
