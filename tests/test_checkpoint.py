@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import Tensor
 
 import fzero
 from fzero.checkpoint import CheckpointError, read_manifest
@@ -403,6 +404,7 @@ def test_offline_reshard_there_and_back_is_bitwise(saved_runs, tmp_path, middle,
 PEAK_SCRIPT = r"""
 import json, sys
 import torch
+from torch import Tensor
 import fzero
 from fzero.memory import reset_peak_rss, _status_bytes
 
@@ -691,6 +693,40 @@ def test_checkpoint_of_another_model_lists_the_differences(checkpoint, no_state_
         assert "parameters only in the checkpoint: [blocks.0.attn.proj.bias" in message
         assert "parameters only in the model: [fc1.bias, fc1.weight, fc2.bias, fc2.weight]" in (
             message)
+
+
+def untied(model: TinyGPT) -> TinyGPT:
+    """`model` with its head a tensor of its own (values equal to the embedding's)."""
+    model.lm_head.weight = torch.nn.Parameter(model.tok_emb.weight.detach().clone())
+    return model
+
+
+def test_a_tie_the_checkpoint_does_not_have_raises(tmp_path, no_state_built) -> None:
+    """Saved untied, loaded into the tied model: the tensor would take one name's values and
+    drop the other's, whatever the bucket policy."""
+    path = str(tmp_path / "c")
+    batches = [TinyGPT.make_batch(0, 2)]
+    fzero.SimWorld(1).run(train_save_body, untied(TinyGPT()), batches, 1, path, stage=1)
+    for kwargs in ({}, {"buckets": 10_000}, {"trainable": lambda name: True}):
+        for message in load_errors(path, world=1, model=TinyGPT(), **kwargs):
+            assert "tied in the model (one tensor) but separate in the checkpoint" in message
+            assert "[lm_head.weight = tok_emb.weight]" in message or (
+                "[tok_emb.weight = lm_head.weight]" in message), message
+
+
+def _load_untied_body(comm: Any, path: str, **kwargs: Any) -> dict[str, Tensor]:
+    model = untied(TinyGPT())
+    return fzero.full_params(fzero.load(path, model=model, comm=comm, **kwargs))
+
+
+def test_a_tie_the_model_no_longer_has_reads_the_one_stored_tensor_into_both(tmp_path) -> None:
+    path = str(tmp_path / "c")
+    batches = [TinyGPT.make_batch(0, 2)]
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), batches, 1, path, stage=2)
+    for kwargs in ({"buckets": 10_000}, {"trainable": lambda name: True}):
+        for params in fzero.SimWorld(2).run(_load_untied_body, path, **kwargs):
+            assert params["lm_head.weight"] is not params["tok_emb.weight"]
+            assert torch.equal(params["lm_head.weight"], params["tok_emb.weight"])
 
 
 def test_buffers_of_another_model(tmp_path, no_state_built) -> None:

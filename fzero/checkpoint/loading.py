@@ -233,13 +233,15 @@ def _layout(
 ) -> ShardLayout:
     """The new layout, after checking that `model` is the saved model."""
     saved = manifest.layout
-    mismatch = compare(saved, plan(model, world_size))
+    planned = plan(model, world_size)
+    mismatch = compare(saved, planned)
     if mismatch:
         raise CheckpointError(
             f"{os.path.join(path, 'manifest.json')} is a checkpoint of another model: "
             f"{_listing('parameters only in the checkpoint', mismatch.only_old)}"
             f"{_listing('parameters only in the model', mismatch.only_new)}"
             f"{_listing('shapes differ (checkpoint vs model)', mismatch.shapes)}"
+            f"{_listing(_GAINED_TIES, [' = '.join(names) for names in mismatch.ties])}"
         )
     flags = trainable
     if flags is None:
@@ -247,8 +249,11 @@ def _layout(
     if buckets is None and trainable is None:
         layout = saved.with_world_size(world_size)
     else:
-        groups = [[e.name for e in b.entries] for b in saved.buckets] if buckets is None else (
-            buckets)
+        # The saved buckets, in the model's names: a tie the model no longer has (each name its
+        # own tensor now, read from the one stored) puts both names in the tie's bucket.
+        stored = {entry.name for bucket in planned.buckets for entry in bucket.entries}
+        groups = [[name for entry in bucket.entries for name in entry.names if name in stored]
+                  for bucket in saved.buckets] if buckets is None else buckets
         layout = plan(model, world_size, buckets=groups, trainable=flags)
     if param_dtype is not None:
         layout = layout.cast(param_dtype)
@@ -310,6 +315,10 @@ def _check_buffers(
             f"{_listing('buffer shapes differ (checkpoint vs model)', shapes)}"
         )
     return list(named)
+
+
+_GAINED_TIES = ("tied in the model (one tensor) but separate in the checkpoint, each with "
+                "values of its own (untie them in the model, or tie them before saving)")
 
 
 def _listing(what: str, names: tuple[str, ...] | list[str]) -> str:

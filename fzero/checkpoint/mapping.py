@@ -110,19 +110,24 @@ class Mismatch(NamedTuple):
     only_old: tuple[str, ...]
     only_new: tuple[str, ...]
     shapes: tuple[str, ...]  # "name: old shape vs new shape"
+    # Names one tensor in the new layout but separate tensors, with values of their own, in the
+    # old (a tie gained; a tie lost is no mismatch: each name reads the one stored tensor).
+    ties: tuple[tuple[str, ...], ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.only_old or self.only_new or self.shapes)
+        return bool(self.only_old or self.only_new or self.shapes or self.ties)
 
 
 def compare(old: ShardLayout, new: ShardLayout) -> Mismatch:
-    """Names only in one layout, and names whose shapes differ."""
+    """Names only in one layout, names whose shapes differ, and ties only `new` has."""
     a, b = old.locate(), new.locate()
     shapes = [f"{name}: {a[name][1].shape} vs {b[name][1].shape}"
               for name in a.keys() & b.keys() if a[name][1].shape != b[name][1].shape]
+    ties = [entry.names for bucket in new.buckets for entry in bucket.entries
+            if len({a[name][1].name for name in entry.names if name in a}) > 1]
     return Mismatch(
         tuple(sorted(a.keys() - b.keys())), tuple(sorted(b.keys() - a.keys())),
-        tuple(sorted(shapes)),
+        tuple(sorted(shapes)), tuple(sorted(ties)),
     )
 
 
