@@ -622,10 +622,19 @@ def _pick(
 ) -> dict[str, Tensor]:
     picked = {}
     for entry in entries:
-        name = next((n for n in entry.names if n in values), None)
-        if name is None:
+        given = [n for n in entry.names if n in values]
+        if not given:
             raise ValueError(f"{what}() returned no value for parameter {entry.name!r}")
-        picked[entry.name] = values[name]
+        first = values[given[0]]
+        differ = [n for n in given[1:] if values[n] is not first and not torch.equal(
+            values[n].detach().to(first.device, first.dtype), first.detach())]
+        if differ:
+            raise ValueError(
+                f"{what}() returned different values for {[given[0], *differ]}, which the "
+                f"model ties (one tensor): one of them would be dropped. Return one value for "
+                f"a tie, or untie the names in the model"
+            )
+        picked[entry.name] = first
     return picked
 
 

@@ -225,3 +225,27 @@ def test_an_init_fn_that_writes_everything_passes_also_through_data():
         assert torch.equal(params["lin.bias"], torch.zeros(3))
         assert torch.equal(buffers["offset"], torch.ones(3))
         assert buffers["count"].item() == 1
+
+
+def _load_tied(comm, head_differs: bool):
+    from models import TinyGPT
+
+    source = dict(TinyGPT().named_parameters(remove_duplicate=False))
+    values = {name: value.detach().clone() for name, value in source.items()}
+    if head_differs:  # an untied checkpoint: the head has values of its own
+        values["lm_head.weight"] += 1.0
+    with torch.device("meta"):
+        model = TinyGPT()
+    state = fzero.init(model, stage=3, comm=comm, optimizer=fzero.optim.sgd(lr=0.1),
+                       load=lambda names: values)  # a whole state dict, ties under each name
+    return fzero.full_params(state)["tok_emb.weight"], values["tok_emb.weight"]
+
+
+def test_load_giving_a_tie_two_different_values_raises():
+    """An untied checkpoint loaded into a tied model: one name's values would be dropped."""
+    with pytest.raises(SimWorldError) as info:
+        fzero.SimWorld(2).run(_load_tied, True)
+    assert ("load() returned different values for ['tok_emb.weight', 'lm_head.weight'], which "
+            "the model ties") in str(info.value)
+    for loaded, want in fzero.SimWorld(2).run(_load_tied, False):  # equal values: one tensor
+        assert torch.equal(loaded, want)
