@@ -560,8 +560,8 @@ def _initialized(
         ValueError: `init_fn` left some of them unwritten (a module type it does not handle):
             their fresh memory would silently become the state's values. A floating tensor is
             filled with NaN before `init_fn` runs and must hold none after (so a write through
-            ``.data`` counts); an integer one is filled with its dtype's smallest value and must
-            not hold only that; a bool one is not checked.
+            ``.data`` counts); an integer one is filled with `_unwritten_fill` and must not hold
+            only that; a bool one is not checked.
     """
     values: dict[str, Tensor] = {}
     for prefix, owned in _owners(names).items():
@@ -599,12 +599,19 @@ def _materialized(
     with torch.no_grad():
         for tensor in itertools.chain(shadow.parameters(recurse=False),
                                       shadow.buffers(recurse=False)):
-            if tensor.is_floating_point() or tensor.is_complex():
-                tensor.fill_(float("nan"))
-            elif tensor.dtype != torch.bool:
-                tensor.fill_(torch.iinfo(tensor.dtype).min)
+            if tensor.dtype != torch.bool:
+                tensor.fill_(_unwritten_fill(tensor.dtype))
         init_fn(shadow)
     return shadow
+
+
+def _unwritten_fill(dtype: torch.dtype) -> float | int:
+    """What fresh memory of `dtype` is filled with before `init_fn` runs: NaN, or an integer
+    no buffer holds throughout (the smallest signed value, the largest unsigned one)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    info = torch.iinfo(dtype)
+    return info.min if info.min < 0 else info.max
 
 
 def _unwritten(tensor: Tensor) -> bool:
@@ -614,7 +621,7 @@ def _unwritten(tensor: Tensor) -> bool:
         return False
     if tensor.is_floating_point() or tensor.is_complex():
         return bool(tensor.isnan().any())
-    return bool((tensor == torch.iinfo(tensor.dtype).min).all())
+    return bool((tensor == _unwritten_fill(tensor.dtype)).all())
 
 
 def _pick(

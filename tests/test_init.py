@@ -171,6 +171,7 @@ class Counted(nn.Module):
         self.gain = nn.Parameter(torch.ones(3))
         self.register_buffer("offset", torch.zeros(3), persistent=False)
         self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("mask", torch.zeros(3, dtype=torch.uint8))
 
     def forward(self, x):
         return self.lin(x) * self.gain + self.offset
@@ -186,6 +187,8 @@ def _init_all_but(forget: str, *, through_data: bool = False):
             for name in ("gain", "offset", "count"):
                 if name != forget:
                     getattr(module, name).fill_(1)
+            if forget != "mask":
+                module.mask.zero_()  # zeros are a value: an unsigned fill is the largest
     return init
 
 
@@ -205,7 +208,7 @@ def _expect_failure(comm, forget):
     return None, ""
 
 
-@pytest.mark.parametrize("forget", ["gain", "offset", "count"])
+@pytest.mark.parametrize("forget", ["gain", "offset", "count", "mask"])
 def test_an_init_fn_that_leaves_a_tensor_unwritten_raises_naming_it(forget):
     """Fresh memory from to_empty would otherwise silently become the state's values (an
     init_fn that does not handle one module type, or one buffer)."""
@@ -225,6 +228,7 @@ def test_an_init_fn_that_writes_everything_passes_also_through_data():
         assert torch.equal(params["lin.bias"], torch.zeros(3))
         assert torch.equal(buffers["offset"], torch.ones(3))
         assert buffers["count"].item() == 1
+        assert torch.equal(buffers["mask"], torch.zeros(3, dtype=torch.uint8))
 
 
 def _load_tied(comm, head_differs: bool):
