@@ -418,9 +418,12 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     leaves, spec = pytree.tree_flatten(batch)
     tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
     if not tensors:
+        unknown = " (a mapping type torch's pytree does not take apart, such as Hugging " \
+            "Face's BatchEncoding: pass dict(batch))" if _batch_tensors(batch) else ""
         raise ValueError(
             f"accum_steps={parts} needs a batch with tensors to split along dim 0 (or "
-            f"fzero.MicroBatches([...]) of explicit micro-batches); got {type(batch).__name__}"
+            f"fzero.MicroBatches([...]) of explicit micro-batches); got "
+            f"{type(batch).__name__}{unknown}"
         )
     for leaf in tensors:
         if leaf.dim() == 0 or leaf.shape[0] % parts:
@@ -1261,11 +1264,28 @@ def _check_unmodified(
 
 
 def _rows(micro_batches: Sequence[Any]) -> int:
+    """The rows of a rank's micro-batches, which the ranks compare (`_raise_if_failed`): of
+    each, the most common size along dim 0 among its tensors (the largest of equally common
+    ones), so that a tensor that is not one row per sample (position ids of shape (1, T)) does
+    not decide; 1 for a micro-batch without a tensor of a dimension."""
     rows = 0
     for micro in micro_batches:
-        leaves = [x for x in pytree.tree_leaves(micro) if isinstance(x, Tensor) and x.dim()]
-        rows += leaves[0].shape[0] if leaves else 1
+        sizes = [t.shape[0] for t in _batch_tensors(micro) if t.dim()]
+        rows += max(set(sizes), key=lambda n: (sizes.count(n), n)) if sizes else 1
     return rows
+
+
+def _batch_tensors(batch: Any) -> list[Tensor]:
+    """Every tensor in `batch`: its pytree leaves, and the values of mappings that pytree takes
+    for single leaves (Hugging Face's ``BatchEncoding``, what tokenizers and collators return,
+    is a ``UserDict``)."""
+    found = []
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, Tensor):
+            found.append(leaf)
+        elif isinstance(leaf, Mapping):
+            found += _batch_tensors(dict(leaf))
+    return found
 
 
 def _schedule_lr(lr: float | Schedule | None, step: int) -> float | None:

@@ -8,6 +8,7 @@ tests/step_bodies.py; references are computed here with `models.reference_train`
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -643,6 +644,35 @@ def test_uneven_batches_raise_on_every_rank(stage: int) -> None:
     per_rank = [(x[:3], y[:3]), (x[3:], y[3:])]
     for message in every_rank_raises(2, sb.uneven_batch_body, MLP(), per_rank, stage):
         assert "different sizes" in message
+
+
+def _mapping_loss(call: Callable[..., Tensor], batch: Any) -> Tensor:
+    return ((call(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def _uneven_mapping_body(comm: Any, wrap: str) -> None:
+    """Rank 0 gets 4 rows, rank 1 gets 2, in a mapping: a ``UserDict`` (as Hugging Face's
+    BatchEncoding, which torch's pytree takes for one leaf), or a dict whose first tensor is
+    not one row per sample."""
+    x, y = MLP.make_batch(0, 6)
+    rows = slice(0, 4) if comm.rank == 0 else slice(4, 6)
+    batch: Any = {"x": x[rows], "y": y[rows]}
+    if wrap == "userdict":
+        batch = collections.UserDict(batch)
+    else:
+        batch = {"offsets": torch.zeros(1, 3), **batch}
+    model = MLP()
+    state = fzero.init(model, stage=2, optimizer=gb.make_optimizer(("sgd", gb.SGD)), comm=comm)
+    fzero.make_train_step(model, _mapping_loss)(state, batch)
+
+
+@pytest.mark.parametrize("wrap", ["userdict", "first tensor not per row"])
+def test_uneven_batches_in_a_mapping_raise(wrap: str) -> None:
+    """Ranks' rows were counted from the first tensor pytree found: none in a UserDict (1 row
+    everywhere), or one of shape (1, ...): unequal batches trained the mean of the ranks'
+    means instead of the global mean, silently."""
+    for message in every_rank_raises(2, _uneven_mapping_body, wrap):
+        assert "rows per rank [4, 2]" in message
 
 
 @pytest.mark.parametrize("stage", [0, 3])
