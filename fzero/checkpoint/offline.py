@@ -116,7 +116,9 @@ def export(
         path: the checkpoint directory.
         out_dir: the directory to write (created if needed).
         dtype: the floating dtype to write; default the stored compute dtype. Values are cast
-            from the master copy where one is stored (so fp32 export of a bf16 run is exact).
+            from the master copy where one is stored (so fp32 export of a bf16 run is exact
+            for trained parameters; frozen ones have no master copy and were rounded to the
+            compute dtype when the state was built, so they come out rounded).
         model: the module it is for (any device, ``meta`` included): its ``state_dict()``
             keys and order are written (tied names each, persistent buffers only), and a
             Hugging Face model's config is saved as ``config.json``. Without it: every
