@@ -66,9 +66,11 @@ class _Aborted(RuntimeError):
 def _secondary(error: BaseException | None) -> bool:
     """Whether a rank's error only reports another rank's failure (an aborted collective, or
     a `CollectiveError` explaining one)."""
-    while error is not None:
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:  # a cause chain may loop
         if isinstance(error, _Aborted):
             return True
+        seen.add(id(error))
         error = error.__cause__
     return False
 

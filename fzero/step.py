@@ -770,7 +770,10 @@ class _ShardedSession:
             with self.residency.guard(model):
                 return fn(model.__call__, micro)
         except RuntimeError as error:
-            raise self.residency.explain(error, model) from error
+            explained = self.residency.explain(error, model)
+            if explained is error:  # not a released read: the user's own error, as it was
+                raise
+            raise explained from error
 
     def _end_phase(self, status: int, *, keep: bool = False) -> None:
         end = self.residency.end_phase(status, keep=keep)

@@ -163,3 +163,34 @@ def test_consumed_state_on_one_rank(stage: int) -> None:
 def test_consumed_state_on_one_gloo_rank(gloo_pool: Any) -> None:
     for stage in (1, 3):
         consumed_outcomes(gloo_pool(2).run, stage)
+
+
+def _shape_error_loss(call: Any, batch: Any) -> Any:
+    x, route, y = batch
+    return (call(x, route) @ torch.ones(7, 1)).sum()  # a torch RuntimeError: shapes mismatch
+
+
+def _runtime_error_body(comm: Any, stage: int, bad_ranks: tuple[int, ...]) -> Any:
+    state = fzero.init(gb.Routed().double(), stage=stage, comm=comm,
+                       optimizer=gb.make_optimizer(("sgd", gb.SGD)))
+    loss_fn = _shape_error_loss if comm.rank in bad_ranks else gb.routed_loss
+    step = fzero.make_train_step(gb.Routed().double(), loss_fn)
+    try:
+        step(state, gb.rank_rows(batches(comm.world_size)[0], comm.rank, comm.world_size))
+    except Exception as error:  # reported to the test, per rank
+        if comm.rank in bad_ranks and len(bad_ranks) == comm.world_size:
+            raise
+        return type(error).__name__, error.__cause__ is error
+    return None
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_torch_runtime_error_in_forward_is_raised_as_it_was(stage: int) -> None:
+    """Stage 3 re-raised a RuntimeError that was not a released read as its own cause (a
+    cycle), and SimWorld, walking the causes, never returned."""
+    outs = world_of(2).run(_runtime_error_body, stage, (1,))
+    assert outs == [("StepError", False), ("RuntimeError", False)]
+    with pytest.raises(fzero.SimWorldError) as info:
+        world_of(2).run(_runtime_error_body, stage, (0, 1))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert info.value.__cause__.__cause__ is not info.value.__cause__
