@@ -81,7 +81,8 @@ class Binder:
             ValueError: a buffer in `keep` reassigned to something of another shape or dtype
                 (or to None): the state's buffers keep the shapes they were built with.
         """
-        prefixed = {f"model.{name}": tensor for name, tensor in tensors.items()}
+        prefixed = {f"model.{name}": tensor
+                    for name, tensor in self._one_name_per_attribute(tensors).items()}
 
         def keeping() -> T:
             out = fn()
@@ -105,6 +106,30 @@ class Binder:
 
         return functional_call(self._runner, prefixed, (keeping if keep else fn,),
                                tie_weights=False, strict=False)
+
+
+    def _one_name_per_attribute(self, tensors: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        """`tensors` with one name for each module attribute: a module registered under two
+        names (``self.mid`` and ``self.blocks = nn.ModuleList([self.mid])``) reaches one
+        attribute through both. `functional_call` would swap it twice and, restoring in the
+        same order, leave the first swap's tensor in the module (the state's own memory, and
+        at stage 3 a released bucket's). Names bound to different tensors are all kept."""
+        by_tensor: dict[int, list[str]] = {}
+        for name, tensor in tensors.items():
+            by_tensor.setdefault(id(tensor), []).append(name)
+        repeated = set()
+        for names in by_tensor.values():
+            if len(names) > 1:  # a tie: the same tensor under several names
+                owners: set[tuple[int, str]] = set()
+                for name in names:
+                    owner, _, leaf = name.rpartition(".")
+                    key = (id(self.model.get_submodule(owner)), leaf)
+                    if key in owners:
+                        repeated.add(name)
+                    owners.add(key)
+        if not repeated:
+            return tensors
+        return {name: tensor for name, tensor in tensors.items() if name not in repeated}
 
 
 def _attribute(model: nn.Module, name: str) -> Any:

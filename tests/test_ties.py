@@ -170,3 +170,70 @@ def test_stage3_two_buckets_kept_into_backward_train_exactly(
                                     gb.gpt_batches(STEPS), stage=3, buckets=policy)
     gb.assert_parity(out[0], gpt_reference())
     assert max(len(d) for d in decisions) == 2, decisions
+
+
+class RegisteredTwice(torch.nn.Module):
+    """One Linear reachable under two names, ``mid`` and ``blocks.0``: every parameter of it
+    is a tie of two names on one module attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.mid = torch.nn.Linear(4, 4).double()
+        self.out = torch.nn.Linear(4, 2).double()
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+        self.blocks = torch.nn.ModuleList([self.mid])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.out(x)
+
+
+def _twice_loss(call: Any, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return ((call(x) - y) ** 2).mean()
+
+
+def _twice_batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(2 * world, 4, generator=gen, dtype=torch.float64),
+             torch.randn(2 * world, 2, generator=gen, dtype=torch.float64)) for _ in range(2)]
+
+
+def _registered_twice_body(comm: Any, stage: int) -> Any:
+    model = RegisteredTwice()
+    before = {name: (p, p.detach().clone())
+              for name, p in model.named_parameters(remove_duplicate=False)}
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+    step = fzero.make_train_step(model, _twice_loss)
+    evaluate = fzero.make_eval_step(model, _twice_loss)
+    for batch in _twice_batches(comm.world_size):
+        state, _ = step(state, gb.rank_rows(batch, comm.rank, comm.world_size))
+        evaluate(state, batch)
+    untouched = all(
+        now is p and torch.equal(now, value)
+        for (name, now), (p, value) in zip(model.named_parameters(remove_duplicate=False),
+                                           before.values(), strict=True))
+    return untouched, fzero.full_params(state)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_module_registered_under_two_names_is_left_as_it_was(stage: int) -> None:
+    """functional_call swapped the shared attribute once per name and, restoring in the same
+    order, left the state's tensor in the module (stages 0-2: the state's memory, which a
+    later load_state_dict overwrote silently; stage 3: a released bucket, a segfault to read);
+    the next step after an eval raised 'requires_grad changed'. Train and eval steps now leave
+    the module's own Parameters, and train as torch does."""
+    reference = RegisteredTwice()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in _twice_batches(2):
+        optimizer.zero_grad()
+        _twice_loss(reference, (x, y)).backward()
+        optimizer.step()
+    for untouched, params in fzero.SimWorld(2).run(_registered_twice_body, stage):
+        assert untouched
+        for name, value in reference.named_parameters(remove_duplicate=False):
+            torch.testing.assert_close(params[name], value.detach(), rtol=0, atol=1e-14)
