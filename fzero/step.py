@@ -218,8 +218,7 @@ def make_train_step(
                             f"{type(state).__name__}")
         problem: Exception | None = None
         micro_batches: list[Any] = []
-        step_lr: float | None = None  # given to this step (None: the optimizer's schedule)
-        applied: float | None = None  # what the update applies
+        applied: float | None = None  # the learning rate of this step, on every parameter
         agreed = 0  # the settings' fingerprint
         try:  # checks that may fail on one rank only: reported to all through the header
             check_live(state, "step")
@@ -231,18 +230,21 @@ def make_train_step(
             if _rows(micro_batches) == 0:
                 raise ValueError("step: the batch has no rows (every tensor's dim 0 is 0): a "
                                  "mean over no rows is undefined")
-            step_lr = _schedule_lr(lr, state.step + 1)
-            applied = step_lr if step_lr is not None else _schedule_lr(
-                state.config.optimizer.lr, state.step + 1)
+            # The step's (global, 1-based) number decides the rate, also for a parameter
+            # whose own update count lags (unused in earlier steps): that count is only for
+            # its moments' bias correction.
+            applied = _schedule_lr(lr, state.step + 1)
+            if applied is None:  # the optimizer's own rate or schedule
+                applied = _schedule_lr(state.config.optimizer.lr, state.step + 1)
             agreed = settings(state)
         except (TypeError, ValueError) as exc:
             problem = exc
         with state.config.comm.scope(f"train step {state.step + 1}"):
-            return _train(state, micro_batches, problem, step_lr, applied, agreed)
+            return _train(state, micro_batches, problem, applied, agreed)
 
     def _train(
         state: ShardState, micro_batches: list[Any], problem: Exception | None,
-        step_lr: float | None, applied: float | None, agreed: int,
+        applied: float | None, agreed: int,
     ) -> tuple[ShardState, dict[str, Any]]:
         comm = state.config.comm
         control = comm.channel(_CONTROL, host=True)
@@ -275,7 +277,7 @@ def make_train_step(
             if side is not None:
                 side.before("optimizer")
             _clip(grads, grad_norm, clip_norm)
-            param_steps = _update(state, grads, used, decay, step_lr, plans)
+            param_steps = _update(state, grads, used, decay, applied, plans)
             _publish(state, run.streams)
         else:
             _check_skip(state, stats, control, max_skipped)
@@ -1021,7 +1023,7 @@ def _update(
     grads: list[Tensor],
     used: list[bool],
     decay: Callable[[str, tuple[int, ...]], bool] | None,
-    lr: float | None,
+    lr: float,
     plans: dict[tuple[str, int, int], Any],
 ) -> tuple[int, ...] | None:
     """The optimizer step on this rank's master shards; returns the new `param_steps`."""

@@ -82,7 +82,7 @@ def apply_update(
     ranges: list[list[tuple[int, int]]] | None,
     steps: Sequence[int],
     used: Sequence[bool],
-    lr: float | None,
+    lr: float,
 ) -> list[int]:
     """One optimizer step in place on `params` and `moments` (donated; `grads` are scratch).
 
@@ -94,7 +94,9 @@ def apply_update(
         ranges: `decay_ranges` of the spans and rule (cached by the caller).
         steps: per trainable entry, the updates it received so far.
         used: per trainable entry, whether some rank's backward reached it this step.
-        lr: the learning rate, or None for the optimizer's own schedule.
+        lr: the step's learning rate, for every entry (a schedule's value at the step's own
+            number: an entry whose update count lags, unused in earlier steps, takes that
+            count for its moments' bias correction only).
 
     Returns:
         The per-entry step counts after this step.

@@ -233,3 +233,40 @@ def test_unused_parameters_then_more_steps_keep_parity() -> None:
     out = fzero.SimWorld(2).run(gb.train, gb.Routed().double(), gb.routed_loss, data, stage=3)
     gb.assert_parity(out[0], want)
     assert out[0]["param_steps"] is not None and max(out[0]["param_steps"]) == 8
+
+
+def _rising(step: int) -> float:
+    """A learning-rate schedule of the 1-based step."""
+    return 0.01 * step
+
+
+def _scheduled_body(comm: Any, stage: int, data: list[Any]) -> dict[str, torch.Tensor]:
+    model = gb.Routed().double()
+    optimizer = fzero.optim.adamw(lr=_rising, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    state = fzero.init(model, stage=stage, comm=comm, optimizer=optimizer)
+    step = fzero.make_train_step(model, gb.routed_loss)
+    for batch in data:
+        state, _ = step(state, gb.rank_rows(batch, comm.rank, comm.world_size))
+    return fzero.full_params(state)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_schedule_gives_a_lagging_parameter_the_steps_rate(stage: int) -> None:
+    """The optimizer's own schedule is read at the step's number for every parameter, as
+    torch's per-group rate: a parameter unused in earlier steps was given the rate of its own
+    update count (step 4 applied schedule(2) to block 1, and every later step lagged too);
+    its count is only for its moments' bias correction."""
+    data = batches("unused", 2)
+    model = gb.Routed().double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0, betas=(0.9, 0.999), eps=1e-8,
+                                  weight_decay=0.1)
+    for number, batch in enumerate(data, start=1):
+        for group in optimizer.param_groups:
+            group["lr"] = _rising(number)
+        optimizer.zero_grad(set_to_none=True)
+        loss = sum(gb.routed_loss(model, gb.rank_rows(batch, r, 2)) for r in range(2)) / 2
+        loss.backward()
+        optimizer.step()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    for params in fzero.SimWorld(2).run(_scheduled_body, stage, data):
+        assert gb.max_difference(params, want) < 1e-12
