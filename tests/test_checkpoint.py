@@ -816,6 +816,24 @@ def test_save_refuses_to_overwrite_unless_asked(tmp_path) -> None:
         assert kind == "TypeError"
 
 
+def test_overwrite_replaces_only_a_checkpoint(tmp_path) -> None:
+    """A run directory (or a file) given by mistake is not deleted by overwrite=True."""
+    from checkpoint_bodies import save_error_body
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("keep me")
+    (tmp_path / "file").write_text("keep me too")
+    for target in (run, tmp_path / "file"):
+        for kind, message in fzero.SimWorld(2).run(save_error_body, TinyGPT(), str(target),
+                                                    overwrite=True):
+            assert kind == "CheckpointError", message
+            assert "exists and is not a checkpoint (no manifest.json)" in message
+    assert (run / "notes.txt").read_text() == "keep me"
+    assert (tmp_path / "file").read_text() == "keep me too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "run"]  # nothing partial
+
+
 def test_interrupted_save_is_ignored_and_cleaned(tmp_path) -> None:
     root = tmp_path / "run"
     for steps in (1, 3):

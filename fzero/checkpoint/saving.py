@@ -40,7 +40,7 @@ from fzero.state import ShardState, check_live
 
 __all__ = ["fzero_version", "save"]
 
-_OK, _EXISTS, _FAILED = 0, 1, 2  # rank 0's verdicts, broadcast
+_OK, _EXISTS, _FAILED, _NOT_CHECKPOINT = 0, 1, 2, 3  # rank 0's verdicts, broadcast
 
 
 def save(
@@ -65,11 +65,13 @@ def save(
             with ``fzero.checkpoint.read_manifest(path).extra``. Rank 0's is stored.
         optimizer_state: store the master copy and optimizer moments (False: only the
             parameters, which `load` accepts with ``weights_only=True``).
-        overwrite: replace an existing checkpoint at `path`.
+        overwrite: replace an existing checkpoint at `path` (a path that exists and is not a
+            checkpoint is never replaced).
 
     Raises:
-        CheckpointError: `path` exists (without `overwrite`), or a rank failed to write (every
-            rank raises, naming the ranks; the partial directory is removed).
+        CheckpointError: `path` exists (without `overwrite`, or is not a checkpoint), or a
+            rank failed to write (every rank raises, naming the ranks; the partial directory is
+            removed).
         TypeError: `extra` is not JSON data.
     """
     if not isinstance(state, ShardState):
@@ -97,6 +99,11 @@ def save(
     if code == _EXISTS:
         raise CheckpointError(f"{path} exists: pass overwrite=True to replace it, or save to a "
                               f"new path")
+    if code == _NOT_CHECKPOINT:
+        raise CheckpointError(
+            f"{path} exists and is not a checkpoint (no {MANIFEST}): overwrite=True replaces "
+            f"a checkpoint only, never another file or folder (a run directory given by "
+            f"mistake would be deleted); save to a new path")
     if code != _OK:
         raise CheckpointError(failure or f"rank 0 could not create {partial}: see its error")
 
@@ -154,6 +161,9 @@ def fzero_version() -> str:
 def _prepare(path: str, partial: str, overwrite: bool) -> tuple[int, str | None]:
     if os.path.exists(path) and not overwrite:
         return _EXISTS, None
+    if os.path.lexists(path) and not (os.path.isdir(path) and not os.path.islink(path)
+                                      and os.path.isfile(os.path.join(path, MANIFEST))):
+        return _NOT_CHECKPOINT, None
     try:
         shutil.rmtree(partial, ignore_errors=True)  # an interrupted save's leftovers
         os.makedirs(partial)
