@@ -820,8 +820,14 @@ def _load_flags_body(comm: Any, path: str) -> None:
     model.fc2.requires_grad_(False)  # resumed with fc2 frozen, as a fine-tuning might
     loaded = fzero.checkpoint.load(path, model=model, stage=1, optimizer=opt, comm=comm,
                                    weights_only=True)
+    # The model's flags decide (as at init; they were ignored: fc2 trained on, silently).
+    trains = {e.name: b.trainable for b in loaded.layout.buckets for e in b.entries}
+    assert trains == {"fc1.weight": True, "fc1.bias": True, "bn.weight": True,
+                      "bn.bias": True, "fc2.weight": False, "fc2.bias": False}
+    fc2 = fzero.full_params(loaded)["fc2.weight"].clone()
     step = fzero.make_train_step(model, gb.mse_loss)
     loaded, _ = step(loaded, gb.mse_batches(1, rows=4, d_in=5, d_out=3)[0])
+    assert torch.equal(fzero.full_params(loaded)["fc2.weight"], fc2)
     model.fc2.requires_grad_(True)
     with pytest.raises(ValueError, match=r"requires_grad changed after the state was built: "
                                          r"\{'fc2.bias': True, 'fc2.weight': True\}"):
@@ -830,6 +836,25 @@ def _load_flags_body(comm: Any, path: str) -> None:
 
 def test_a_checkpoint_load_takes_the_flags_of_its_model(tmp_path) -> None:
     fzero.SimWorld(1).run(_load_flags_body, str(tmp_path / "c"))
+
+
+def _unfrozen_load_body(comm: Any, path: str) -> None:
+    model = gb.BatchNormNet()
+    model.fc2.requires_grad_(False)
+    opt = gb.make_optimizer(("sgd", gb.SGD))
+    fzero.checkpoint.save(fzero.init(model, stage=2, optimizer=opt, comm=comm), path)
+    model.fc2.requires_grad_(True)  # unfrozen for the next phase of a fine-tuning
+    with pytest.raises(CheckpointError, match=r"frozen when saved are trainable now .*"
+                                              r"\[fc2.bias, fc2.weight\]"):
+        fzero.checkpoint.load(path, model=model, optimizer=opt, comm=comm)
+    loaded = fzero.checkpoint.load(path, model=model, optimizer=opt, comm=comm,
+                                   weights_only=True)
+    assert all(b.trainable for b in loaded.layout.buckets)
+
+
+def test_a_parameter_the_model_unfroze_trains_after_a_load(tmp_path) -> None:
+    """It stayed frozen, silently, as saved."""
+    fzero.SimWorld(2).run(_unfrozen_load_body, str(tmp_path / "c"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -63,7 +63,9 @@ def load(
             one used a learning-rate schedule, which cannot be stored).
         stage: ZeRO stage to continue with; default the saved one.
         buckets: bucket policy as for `fzero.plan`; default the saved buckets.
-        trainable: which parameters train, as for `fzero.plan`; default as saved.
+        trainable: which parameters train, as for `fzero.plan`; default, as for `fzero.init`,
+            the model's ``requires_grad`` (for a mapping of tensors: as saved). A parameter
+            frozen when saved that trains now needs `weights_only` (it has no moments).
         param_dtype, master_dtype, reduce_dtype: as for `fzero.init`; default as saved.
         device: where the state lives; default the comm's device.
         weights_only: start a fresh optimizer (zero moments, step 0) from the saved weights
@@ -243,10 +245,11 @@ def _layout(
             f"{_listing('shapes differ (checkpoint vs model)', mismatch.shapes)}"
             f"{_listing(_GAINED_TIES, [' = '.join(names) for names in mismatch.ties])}"
         )
+    as_saved = {name: saved.buckets[i].trainable for name, (i, _) in saved.locate().items()}
     flags = trainable
-    if flags is None:
-        flags = {name: saved.buckets[i].trainable for name, (i, _) in saved.locate().items()}
-    if buckets is None and trainable is None:
+    if flags is None:  # as fzero.init: the module's requires_grad (a mapping: as saved)
+        flags = dict(requires_grad_flags(model) or as_saved)
+    if buckets is None and flags == as_saved:
         layout = saved.with_world_size(world_size)
     else:
         # The saved buckets, in the model's names: a tie the model no longer has (each name its
