@@ -739,6 +739,10 @@ def test_buffers_of_another_model(tmp_path, no_state_built) -> None:
     for message in load_errors(path, world=1, model=model):
         assert "buffers only in the checkpoint: [perm]" in message
         assert "buffers only in the model: [other]" in message
+    model = FrozenMix()
+    model.perm = model.perm.double()  # an index buffer in the checkpoint, floating here
+    for message in load_errors(path, world=1, model=model):
+        assert "buffer dtypes differ (checkpoint vs model): [perm: int64 vs float64]" in message
 
 
 def test_optimizer_problems(tmp_path, no_state_built) -> None:

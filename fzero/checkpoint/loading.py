@@ -310,14 +310,24 @@ def _check_buffers(
     only_model = sorted(set(named) - set(saved))
     shapes = sorted(f"{n}: {list(saved[n][1])} vs {list(named[n].shape)}"
                     for n in set(saved) & set(named) if tuple(named[n].shape) != saved[n][1])
-    if only_saved or only_model or shapes:
+    dtypes = sorted(f"{n}: {saved[n][0]} vs {str(named[n].dtype).removeprefix('torch.')}"
+                    for n in set(saved) & set(named)
+                    if not _same_kind(_dtype(saved[n][0]), named[n].dtype))
+    if only_saved or only_model or shapes or dtypes:
         raise CheckpointError(
             f"{os.path.join(path, 'manifest.json')} is a checkpoint of another model: "
             f"{_listing('buffers only in the checkpoint', only_saved)}"
             f"{_listing('buffers only in the model', only_model)}"
             f"{_listing('buffer shapes differ (checkpoint vs model)', shapes)}"
+            f"{_listing('buffer dtypes differ (checkpoint vs model)', dtypes)}"
         )
     return list(named)
+
+
+def _same_kind(saved: torch.dtype, model: torch.dtype) -> bool:
+    """Whether a buffer saved as `saved` can be the model's of dtype `model`: both floating
+    (the state keeps floating buffers in its compute dtype), or the same dtype."""
+    return saved == model or (saved.is_floating_point and model.is_floating_point)
 
 
 _GAINED_TIES = ("tied in the model (one tensor) but separate in the checkpoint, each with "
