@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import fzero
-from fzero.checkpoint import CheckpointError, read_manifest
+from fzero.checkpoint import CheckpointError, read_manifest, record
 from fzero.checkpoint.files import ShardFile, TensorSpec, crc32, write_file
 from fzero.checkpoint.manifest import Manifest, latest
 from fzero.checkpoint.mapping import reads, regroup
@@ -727,6 +727,51 @@ def test_a_tie_the_model_no_longer_has_reads_the_one_stored_tensor_into_both(tmp
         for params in fzero.SimWorld(2).run(_load_untied_body, path, **kwargs):
             assert params["lm_head.weight"] is not params["tok_emb.weight"]
             assert torch.equal(params["lm_head.weight"], params["tok_emb.weight"])
+
+
+def _local_buffers_body(comm: Any, path: str, save: bool) -> dict[str, Tensor]:
+    """A BatchNorm net with buffers="local": two steps then a save (each rank's running
+    statistics its own), or a load; the buffers either way."""
+    import guarantee_bodies as gb
+
+    model = gb.BatchNormNet()
+    step = fzero.make_train_step(model, gb.mse_loss, buffers="local")
+    if save:
+        state = fzero.init(model, stage=1, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+        batches = gb.mse_batches(4, rows=4, d_in=5, d_out=3)
+        for index in range(2):  # each rank its own rows: its own statistics
+            state, _ = step(state, batches[2 * index + comm.rank])
+        fzero.save(state, path)
+    else:
+        state = fzero.load(path, model=model, comm=comm)
+    return {name: b.clone() for name, b in state.buffers.items()}
+
+
+def test_each_rank_gets_its_own_buffers_back(tmp_path) -> None:
+    """buffers="local": only rank 0's were stored, and a load gave them to every rank."""
+    path = str(tmp_path / "c")
+    saved = fzero.SimWorld(2).run(_local_buffers_body, path, True)
+    assert not torch.equal(saved[0]["bn.running_mean"], saved[1]["bn.running_mean"])
+    for own, loaded in zip(saved, fzero.SimWorld(2).run(_local_buffers_body, path, False),
+                           strict=True):
+        assert all(torch.equal(own[name], loaded[name]) for name in own)
+    for loaded in fzero.SimWorld(3).run(_local_buffers_body, path, False):  # another N
+        assert all(torch.equal(saved[0][name], loaded[name]) for name in loaded)
+    resharded = str(tmp_path / "r")
+    fzero.checkpoint.reshard(path, resharded, world_size=2, progress=False)
+    for own, loaded in zip(saved, fzero.SimWorld(2).run(_local_buffers_body, resharded, False),
+                           strict=True):
+        assert all(torch.equal(own[name], loaded[name]) for name in own)
+
+
+def test_a_checkpoint_without_every_ranks_buffers_reads_rank_0s() -> None:
+    """Checkpoints written before every rank stored its buffers hold rank 0's only."""
+    layout = fzero.plan(TinyGPT(), 2)
+    buffers = {"scale": ("float32", (3,))}
+    old = {"master": [], "optimizer_state": False, "moments": []}
+    names = [[s.name for s in record.file_specs(layout, {**old, **flag}, buffers, rank)]
+             for flag in ({}, {"rank_buffers": True}) for rank in (0, 1)]
+    assert ["buffers.scale" in n for n in names] == [True, False, True, True]
 
 
 def test_buffers_of_another_model(tmp_path, no_state_built) -> None:

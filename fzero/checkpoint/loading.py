@@ -10,6 +10,7 @@ the state's own buffers, and with an unchanged layout one read per stored shard.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -112,11 +113,14 @@ def load(
                       "and dtypes)")
     verify(path, manifest, comm, checksums=verify_checksums)
 
+    # Each rank's own buffers (they differ under buffers="local"); at another N, rank 0's.
+    own_buffers = comm.rank if manifest.world_size == comm.world_size else 0
     with Reader(path, manifest, layout) as reader:
         state = record.build(
             layout, stage, saved, reader.fill, comm=comm, optimizer=optimizer,
             param_dtype=param_dtype, master_dtype=master_dtype, reduce_dtype=reduce_dtype,
-            device=device, buffers={name: reader.buffer for name in buffer_names},
+            device=device, buffers={name: functools.partial(reader.buffer, rank=own_buffers)
+                                    for name in buffer_names},
             same_buckets=[b.names for b in layout.buckets]
             == [b.names for b in manifest.layout.buckets],
             fresh_optimizer=weights_only,
@@ -171,9 +175,10 @@ class Reader:
             piece = out[read.at : read.at + read.stop - read.start]
             self.file(read.rank).read_into(source, read.start, read.stop, piece)
 
-    def buffer(self, name: str) -> Tensor:
-        """A stored buffer (rank 0's file holds them)."""
-        return self.file(0).read(record.key(record.BUFFERS, name))
+    def buffer(self, name: str, rank: int = 0) -> Tensor:
+        """Saved rank `rank`'s buffer `name` (rank 0's where the checkpoint holds only its)."""
+        own = rank if self.manifest.state.get("rank_buffers", False) else 0
+        return self.file(own).read(record.key(record.BUFFERS, name))
 
     def restore_rng(self, rank: int, device: torch.device) -> None:
         """Set this process's RNG states to those saved by rank `rank`."""

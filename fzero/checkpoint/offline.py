@@ -329,9 +329,11 @@ def _shards(
         reader.fill(kind, index, out, bucket.shard_range(rank)[0])
         bar.advance(out.numel() * out.element_size())
         yield out
-    if rank == 0:
+    if rank == 0 or new.get("rank_buffers", False):
+        # Each rank's own buffers where the world size is kept; else rank 0's for every rank.
+        source = rank if manifest.world_size == layout.world_size else 0
         for name in manifest.buffers:
-            value = reader.buffer(name)
+            value = reader.buffer(name, rank=source)
             bar.advance(value.numel() * value.element_size())
             yield value
 

@@ -17,6 +17,11 @@ whole:
 so every element is on disk once (the bytes are the state's, without the replicas stages 0-2
 keep), and any stage reads it back: stage 3 its shard, stages 0-2 the whole buffer from all
 files. Gradients are not stored: a step starts by zeroing them.
+
+Every rank's file also holds that rank's buffers (``buffers.<name>``): under
+``buffers="local"`` they differ, and a load at the same world size gives each rank its own;
+at another world size every rank takes rank 0's. (Checkpoints written before this, marked by
+the absence of ``"rank_buffers"`` in the manifest, hold rank 0's only.)
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ def describe(state: ShardState, *, optimizer_state: bool = True) -> dict[str, An
         "bucket_order": None if order is None else {"forward": list(order.forward),
                                                     "backward": list(order.backward)},
         "skipped": state.skipped,
+        "rank_buffers": True,  # every rank's file holds its own buffers
         # Steps each trainable parameter received, by name, when some differ (unused ones).
         "param_steps": None if state.param_steps is None else dict(zip(
             [e.name for b in state.layout.buckets if b.trainable for e in b.entries],
@@ -117,13 +123,14 @@ def file_specs(
     buffers: Mapping[str, tuple[str, tuple[int, ...]]],
     rank: int,
 ) -> list[TensorSpec]:
-    """Every tensor rank `rank`'s file holds, in order: its shards, then (rank 0) the buffers."""
+    """Every tensor rank `rank`'s file holds, in order: its shards, then its buffers (rank 0
+    only, in a checkpoint written before every rank stored its own)."""
     specs = [
         TensorSpec(key(kind, index), stored_dtype(record, layout, kind, index),
                    (layout.buckets[index].shard_numel,))
         for kind, index in stored_kinds(record, layout)
     ]
-    if rank == 0:
+    if rank == 0 or record.get("rank_buffers", False):
         specs += [TensorSpec(key(BUFFERS, name), _parse_dtype(dtype), shape)
                   for name, (dtype, shape) in buffers.items()]
     return specs
@@ -135,7 +142,7 @@ def describe_buffers(state: ShardState) -> dict[str, tuple[str, tuple[int, ...]]
 
 
 def buffer_tensors(state: ShardState) -> list[tuple[str, Tensor]]:
-    """The buffers under their file keys (rank 0 stores them; every rank holds the same)."""
+    """This rank's buffers under their file keys."""
     return [(key(BUFFERS, name), b.detach()) for name, b in state.buffers.items()]
 
 

@@ -109,8 +109,7 @@ def save(
 
     # 2. every rank writes its shard file.
     tensors = record.shard_tensors(state, optimizer_state=optimizer_state)
-    if comm.rank == 0:
-        tensors += record.buffer_tensors(state)
+    tensors += record.buffer_tensors(state)
     rng = _rng_states(state.config.device)
     specs = record.file_specs(state.layout, described, buffers, comm.rank)
     specs += [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in rng]
