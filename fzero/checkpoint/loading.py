@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -254,7 +254,12 @@ def _layout(
     flags = trainable
     if flags is None:  # as fzero.init: the module's requires_grad (a mapping: as saved)
         flags = dict(requires_grad_flags(model) or as_saved)
-    if buckets is None and flags == as_saved:
+    # A tie the model has lost keeps the saved layout on meta (``model.to("meta")`` unties, and
+    # a step binds every name anyway), and is untied where the model holds separate tensors.
+    untied = any(len({planned.locate()[name][1].name for name in entry.names}) > 1
+                 and not _on_meta(model, entry.names)
+                 for bucket in saved.buckets for entry in bucket.entries)
+    if buckets is None and flags == as_saved and not untied:
         layout = saved.with_world_size(world_size)
     else:
         # The saved buckets, in the model's names: a tie the model no longer has (each name its
@@ -327,6 +332,13 @@ def _check_buffers(
             f"{_listing('buffer dtypes differ (checkpoint vs model)', dtypes)}"
         )
     return list(named)
+
+
+def _on_meta(model: nn.Module | Mapping[str, Tensor], names: Sequence[str]) -> bool:
+    """Whether `model`'s parameters `names` are all on the meta device."""
+    named = (dict(model.named_parameters(remove_duplicate=False))
+             if isinstance(model, nn.Module) else model)
+    return all(named[name].is_meta for name in names)
 
 
 def _same_kind(saved: torch.dtype, model: torch.dtype) -> bool:
