@@ -8,7 +8,8 @@ A hypothesis `RuleBasedStateMachine` drives a live `SimWorld` session of a float
 - ``train_accumulated``: one step of 2-3 micro-batches, split by ``accum_steps`` or passed as
   `fzero.MicroBatches`;
 - ``reshard``: `fzero.save` on every rank, then `fzero.load` into a new world of 1-4 ranks, at
-  any stage and bucket policy;
+  any stage and bucket policy (given the frozen blocks as ``trainable=``: the session's modules
+  keep ``requires_grad=True``, and a load takes the model's flags by default);
 - ``freeze`` / ``unfreeze``: save, then load with ``trainable=`` some blocks frozen (the saved
   moments of the rest are kept; torch keeps training the others with theirs) or everything
   trainable again (``weights_only=True``: a fresh optimizer, as the reference builds a new one);
@@ -232,7 +233,9 @@ class FuzzedSession(RuleBasedStateMachine):
           buckets=st.sampled_from([None, 64, 400]))
     def reshard(self, world: int, stage: int, buckets: int | None) -> None:
         self.stage = stage
-        self.save_and_reload(world, stage=stage, buckets=buckets)
+        # The session's modules keep requires_grad=True: what is frozen is said each time
+        # (a load takes the model's flags by default, as init does).
+        self.save_and_reload(world, stage=stage, buckets=buckets, trainable=self.flags())
 
     @precondition(lambda self: len(self.frozen) < len(GROUPS) - 1)
     @rule(data=st.data())
@@ -241,12 +244,15 @@ class FuzzedSession(RuleBasedStateMachine):
         more = data.draw(st.sets(st.sampled_from(trainable), min_size=1,
                                  max_size=len(trainable) - 1), label="freeze")
         self.frozen |= more
-        names = [n for n, _ in self.reference.named_parameters()]  # primary names (ties once)
-        flags = {n: group_of(n) not in self.frozen for n in names}
+        flags = self.flags()
         for name, p in self.reference.named_parameters():
             p.requires_grad_(flags[name])
             p.grad = None  # torch.optim skips it from now on, keeping its moments unused
         self.save_and_reload(self.world, trainable=flags)
+
+    def flags(self) -> dict[str, bool]:
+        """Which parameters train now, by primary name (ties once)."""
+        return {n: group_of(n) not in self.frozen for n, _ in self.reference.named_parameters()}
 
     @precondition(lambda self: bool(self.frozen))
     @rule()
