@@ -56,6 +56,7 @@ from fzero.consensus import (
     float_bits,
 )
 from fzero.flat import alias_leaves, all_finite, entry_views, shard_view, unflatten
+from fzero.layout import ShardLayout
 from fzero.optim import Schedule, clip_coefficient
 from fzero.residency import (
     PeerFailed,
@@ -105,6 +106,29 @@ def decay_matrices(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2
 
 
+def _decayed(layout: ShardLayout, decay: Callable[[str, tuple[int, ...]], bool]
+             ) -> tuple[str, ...]:
+    """The trainable parameters `decay` selects, a tied tensor asked about all its names.
+
+    Raises:
+        ValueError: the names of one tied tensor get different answers: it is one tensor,
+            decayed or not as a whole (a rule that spares ``lm_head.*`` on a GPT whose head is
+            its embedding decays the head through the embedding's name).
+    """
+    chosen = []
+    for bucket in layout.buckets:
+        for entry in bucket.entries if bucket.trainable else ():
+            given = {name: bool(decay(name, entry.shape)) for name in entry.names}
+            if len(set(given.values())) > 1:
+                raise ValueError(
+                    f"decay= gives the names of one tied tensor different answers, {given}: "
+                    f"they are one tensor, decayed or not as a whole; give all of them the "
+                    f"same answer")
+            if given[entry.name]:
+                chosen.append(entry.name)
+    return tuple(chosen)
+
+
 class MicroBatches(list):
     """Explicit micro-batches for one step: ``step(state, fzero.MicroBatches([mb1, mb2]))``.
 
@@ -144,6 +168,7 @@ def make_train_step(
         prefetch: stage 3: positions gathered ahead of use (0, 1 or 2); bounds memory.
         decay: ``decay(name, shape)``: whether a parameter gets weight decay; None (default):
             every parameter, as torch.optim and optax do; `decay_matrices` for the GPT rule.
+            Asked about every name of a tied tensor, which must all get the same answer.
         buffers: ``"broadcast"`` (default, as DDP's ``broadcast_buffers=True``): rank 0's
             buffers (e.g. BatchNorm running statistics) are copied to every rank before each
             micro-batch's forward; ``"local"``: each rank keeps its own.
@@ -201,9 +226,7 @@ def make_train_step(
         """A fingerprint of what else this step applies, which every rank must share."""
         fingerprint = state.layout.fingerprint
         if fingerprint not in decayed:
-            decayed[fingerprint] = None if decay is None else tuple(
-                e.name for b in state.layout.buckets if b.trainable for e in b.entries
-                if decay(e.name, e.shape))
+            decayed[fingerprint] = None if decay is None else _decayed(state.layout, decay)
         config, scale = state.config, state.loss_scale
         spec = config.optimizer.spec
         described = repr((spec.to_json() if spec is not None else None, clip_norm,

@@ -190,6 +190,20 @@ def test_decay_matrices_matches_adamw_with_two_param_groups(
     assert not torch.allclose(ref.params["blocks.0.ln1.bias"], single.params["blocks.0.ln1.bias"])
 
 
+def _spare_the_head(name: str, shape: tuple[int, ...]) -> bool:
+    return not name.startswith("lm_head.")
+
+
+def test_a_decay_rule_that_splits_a_tie_raises() -> None:
+    """It was asked about the tie's first name only: sparing ``lm_head.*`` on TinyGPT (whose
+    head is its embedding) silently decayed the head through ``tok_emb.weight``."""
+    messages = every_rank_raises(2, sb.train_body, TinyGPT(), global_batches("tiny_gpt")[:1],
+                                 1, stage=1, decay=_spare_the_head)
+    for message in messages:
+        assert ("decay= gives the names of one tied tensor different answers, "
+                "{'tok_emb.weight': True, 'lm_head.weight': False}") in message
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("stage", [1, 2, 3])
