@@ -195,8 +195,9 @@ def make_train_step(
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps=}")
     if clip_norm is not None and (isinstance(clip_norm, bool) or not (
-            isinstance(clip_norm, int | float) and clip_norm > 0)):
-        raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm=}")
+            isinstance(clip_norm, int | float) and 0 < clip_norm < math.inf)):
+        raise ValueError(f"clip_norm must be a positive finite number or None (no clipping), "
+                         f"got {clip_norm=}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be a function (call, batch) -> scalar loss, got "
                         f"{type(loss_fn).__name__}")

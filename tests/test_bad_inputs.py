@@ -446,6 +446,8 @@ CASES = [
     Case("make_train_step: clip_norm 0", lambda c: c.step(clip_norm=0.0), VE, "clip_norm"),
     Case("make_train_step: clip_norm NaN", lambda c: c.step(clip_norm=float("nan")), VE,
          "clip_norm"),
+    Case("make_train_step: clip_norm infinite", lambda c: c.step(clip_norm=float("inf")), VE,
+         r"clip_norm must be a positive finite number or None \(no clipping\)"),
     Case("make_train_step: clip_norm a str", lambda c: c.step(clip_norm="1"), VE, "clip_norm"),
     Case("make_train_step: clip_norm a bool", lambda c: c.step(clip_norm=True), VE, "clip_norm"),
     Case("make_train_step: prefetch 3", lambda c: c.step(prefetch=3), VE, "prefetch"),
