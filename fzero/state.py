@@ -429,6 +429,9 @@ def init(
                         "the buffers")
     if param_dtype is not None:  # as model.to(param_dtype) would
         buffers = {n: b.to(param_dtype) if b.is_floating_point() else b for n, b in buffers.items()}
+    # Contiguous: broadcast and checkpoints move them as flat bytes (a transposed buffer, or
+    # the base an orthogonal parametrization registers, has other strides).
+    buffers = {name: value.contiguous() for name, value in buffers.items()}
     for value in buffers.values():
         if value.numel():
             comm.broadcast(value.view(-1), src=0)

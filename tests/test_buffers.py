@@ -269,3 +269,30 @@ def test_buffers_fingerprint_is_equal_exactly_when_the_descriptions_are(
     assert buffers_fingerprint(made(first)) == buffers_fingerprint(made(first))
     assert (buffers_fingerprint(made(first)) == buffers_fingerprint(made(second))) == (
         first == second)
+
+
+class _TransposedBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("mix", torch.arange(9.0).reshape(3, 3).t())  # strides (1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) @ self.mix
+
+
+def _transposed_body(comm: Any, stage: int) -> tuple[torch.Tensor, float]:
+    model = _TransposedBuffer()
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+    step = fzero.make_train_step(model, lambda call, x: call(x).pow(2).mean())
+    state, metrics = step(state, torch.ones(2, 3))
+    return state.buffers["mix"], metrics["loss"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_non_contiguous_buffer_is_taken(stage: int) -> None:
+    """init broadcast each buffer as a flat view, which a transposed one (or the base an
+    orthogonal parametrization registers) cannot give: torch's raw 'view size' error."""
+    want = torch.arange(9.0).reshape(3, 3).t()
+    for mix, loss in fzero.SimWorld(2).run(_transposed_body, stage):
+        assert torch.equal(mix, want) and loss > 0
