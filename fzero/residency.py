@@ -531,6 +531,17 @@ class Residency:
         if index not in self.resident or index in self.inflight or index in self.fresh:
             self.need(index, evict=False, pin=self.phase == "backward")
 
+    def settle(self, tensor: Tensor) -> None:
+        """Wait for the gather in flight into the memory `tensor` views, if any. A view of a
+        parameter kept from an earlier use (``w = self.x.weight.t()`` read after other modules
+        ran) reads its bucket's memory directly: released, the read fails and is explained
+        (`explain`); gathered again by a prefetch, it would read the gather half done."""
+        if tensor.layout != torch.strided or tensor.is_meta:
+            return
+        index = self.by_pointer.get(tensor.untyped_storage().data_ptr())
+        if index is not None and index in self.inflight:
+            self._wait(index)
+
     def explain(self, error: RuntimeError, model: nn.Module) -> RuntimeError:
         """`error`, or an `OutsideOwnerError` when it is torch's complaint about reading a
         released bucket's parameter."""
@@ -593,15 +604,12 @@ class _Guard(TorchFunctionMode):
         if _reads_data(func):
             bucket_of = residency.bucket_of
             for value in (*args, *kwargs.values()):
-                if isinstance(value, list | tuple):
-                    for item in value:
-                        index = bucket_of.get(id(item))
-                        if index is not None:
-                            residency.read(index)
-                else:
-                    index = bucket_of.get(id(value))
+                for item in value if isinstance(value, list | tuple) else (value,):
+                    index = bucket_of.get(id(item))
                     if index is not None:
                         residency.read(index)
+                    elif residency.inflight and isinstance(item, Tensor):
+                        residency.settle(item)
         try:
             return func(*args, **kwargs)
         except RuntimeError as error:
