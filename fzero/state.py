@@ -38,7 +38,7 @@ from fzero.bound import (
 )
 from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite, flatten, shard_view
-from fzero.layout import Bucket, Entry, ShardLayout, plan
+from fzero.layout import Bucket, Entry, ShardLayout, flatten_names, plan
 from fzero.optim import Optimizer
 
 __all__ = [
@@ -497,7 +497,7 @@ def _bucket_source(
     """
     tensors = (
         dict(model.named_parameters(remove_duplicate=False))
-        if isinstance(model, nn.Module) else dict(model)
+        if isinstance(model, nn.Module) else flatten_names(model)
     )
     meta = [name for name, t in tensors.items() if t.is_meta]
     if not meta:

@@ -253,3 +253,19 @@ def test_load_giving_a_tie_two_different_values_raises():
             "the model ties") in str(info.value)
     for loaded, want in fzero.SimWorld(2).run(_load_tied, False):  # equal values: one tensor
         assert torch.equal(loaded, want)
+
+
+def _nested_body(comm):
+    gen = torch.Generator().manual_seed(0)
+    tree = {"enc": {"w": torch.randn(3, 4, generator=gen, requires_grad=True)},
+            "head": {"b": torch.randn(4, generator=gen, requires_grad=True)}}
+    state = fzero.init(tree, stage=3, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+    return fzero.full_params(state), tree
+
+
+def test_init_takes_a_nested_mapping_as_plan_does():
+    """A pytree of parameters (names by path), as `fzero.plan` takes it: init raised
+    AttributeError ('dict' object has no attribute 'is_meta')."""
+    for params, tree in fzero.SimWorld(2).run(_nested_body):
+        assert torch.equal(params["enc.w"], tree["enc"]["w"].detach())
+        assert torch.equal(params["head.b"], tree["head"]["b"].detach())

@@ -26,7 +26,7 @@ from fzero.checkpoint.mapping import compare, reads
 from fzero.checkpoint.verify import verify
 from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite
-from fzero.layout import ShardLayout, _parse_dtype, plan
+from fzero.layout import ShardLayout, _parse_dtype, flatten_names, plan
 from fzero.optim import Optimizer, OptimizerSpec, from_spec
 from fzero.state import STAGES, ShardState, check_dtypes, state_device
 
@@ -337,7 +337,7 @@ def _check_buffers(
 def _on_meta(model: nn.Module | Mapping[str, Tensor], names: Sequence[str]) -> bool:
     """Whether `model`'s parameters `names` are all on the meta device."""
     named = (dict(model.named_parameters(remove_duplicate=False))
-             if isinstance(model, nn.Module) else model)
+             if isinstance(model, nn.Module) else flatten_names(model))
     return all(named[name].is_meta for name in names)
 
 
