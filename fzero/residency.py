@@ -134,6 +134,9 @@ class Residency:
         streams: CUDA side streams, or None.
         order: the agreed sequences of the previous step (or a first guess).
         prefetch: positions gathered ahead of use.
+        check_writes: compare this rank's part of each bucket with its shard when releasing
+            it, noting in `written` the buckets written bypassing autograd (through ``.data``,
+            which bumps no version counter a leaf shows); costs a read of the shard.
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class Residency:
         streams: SideStreams | None,
         order: BucketOrder,
         prefetch: int,
+        check_writes: bool = False,
     ) -> None:
         self.data = data
         self.control = control
@@ -154,6 +158,8 @@ class Residency:
         self.streams = streams
         self.order = order
         self.prefetch = prefetch
+        self.check_writes = check_writes
+        self.written: set[int] = set()
         self.full: list[Tensor] = []
         self.leaves: list[list[Tensor]] = []
         for bucket, shard in zip(layout.buckets, shards, strict=True):
@@ -317,6 +323,11 @@ class Residency:
         self.resident.discard(index)
         self.fresh.discard(index)
         if index in self.allocated:
+            if self.check_writes:
+                lo, hi = self.layout.buckets[index].shard_range(self.data.rank)
+                gathered = self.full[index][lo:hi].view(torch.uint8)  # bits: NaN is NaN
+                if not torch.equal(gathered, self.shards[index].view(torch.uint8)):
+                    self.written.add(index)
             storage = self.full[index].untyped_storage()
             self.by_pointer.pop(storage.data_ptr(), None)
             storage.resize_(0)

@@ -221,6 +221,7 @@ def make_train_step(
     binder = Binder(model)
     plans: dict[tuple[str, int, int], Any] = {}  # decay ranges per (layout, stage, rank)
     leaves = _LeafCache()  # stages 0-2: the leaves of the state's tensors, across steps
+    checked_writes = [False]  # stage 3: whether a step looked for writes bypassing autograd
     decayed: dict[str, tuple[str, ...] | None] = {}  # per layout: the names `decay` selects
 
     def settings(state: ShardState) -> int:
@@ -284,7 +285,9 @@ def make_train_step(
         buffers_now = {name: b.clone() for name, b in state.buffers.items()}
         side = streams if streams is not None else Streams.for_device(state.config.device)
         run = _run(state, model, binder, loss_fn, micro_batches, buffers_now, prefetch, side,
-                   sync_buffers=buffers == "broadcast", gate=header.check, leaves=leaves)
+                   sync_buffers=buffers == "broadcast", gate=header.check, leaves=leaves,
+                   check_writes=not checked_writes[0])
+        checked_writes[0] = checked_writes[0] or state.stage == 3
         header.check()  # no-op when a reduction waited for it already
         grads = run.grads
         if run.failure is None and not run.aborted:
@@ -509,12 +512,14 @@ def _run(
     sync_buffers: bool,
     gate: Callable[[], None],
     leaves: _LeafCache,
+    check_writes: bool = False,
 ) -> _Run:
     """Forward and backward of every micro-batch, with the stage's gradient reductions, each
     launched after `gate()` (which raises when the step must not communicate)."""
     scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
     factor = scale / len(micro_batches)
-    session_of = (_sharded(state, model, prefetch, streams, train=True) if state.stage == 3
+    session_of = (_sharded(state, model, prefetch, streams, train=True,
+                           check_writes=check_writes) if state.stage == 3
                   else _replicated(state, streams, gate, leaves.of(state)))
     losses: list[Tensor] = []
     failure: BaseException | None = None
@@ -544,6 +549,16 @@ def _run(
                     failure = exc
                     session.recover(last, peer=False)
         grads = session.finish()
+        if failure is None and not session.aborted and session.written:
+            failure = ValueError(
+                f"stage 3: parameters of buckets "
+                f"{[state.layout.buckets[i].label for i in session.written]} were written "
+                f"during the "
+                f"step in a way autograd does not see (through .data, e.g. "
+                f"p.data.clamp_(...) in forward): stage 3 writes into a gathered copy it then "
+                f"discards, so the write would be lost silently. Change parameters between "
+                f"steps (fzero.full_params / a new state), or use stage 0-2, where such a write "
+                f"lands in the state")
         return _Run(
             losses=losses,
             grads=grads,
@@ -652,6 +667,8 @@ def _drop_if(cache: weakref.ref[_LeafCache], leaves: weakref.ref[_Leaves]) -> No
 class _ReplicatedSession:
     """Stages 0-2: full parameters, one leaf per parameter over the flat buffers."""
 
+    written: list[int] = []  # a write through .data lands in the state itself: nothing is lost
+
     def __init__(
         self, state: ShardState, streams: SideStreams | None, gate: Callable[[], None],
         leaves: _Leaves,
@@ -747,7 +764,7 @@ class _ShardedSession:
     """
 
     def __init__(self, state: ShardState, model: nn.Module, prefetch: int,
-                 streams: SideStreams | None, train: bool) -> None:
+                 streams: SideStreams | None, train: bool, check_writes: bool = False) -> None:
         comm = state.config.comm
         layout = state.layout
         self.state = state
@@ -758,7 +775,7 @@ class _ShardedSession:
         self.residency = Residency(
             data=comm.channel(_GATHER), control=comm.channel(_CONTROL, host=True),
             layout=layout, shards=state.params, streams=self.streams, order=order,
-            prefetch=prefetch,
+            prefetch=prefetch, check_writes=check_writes,
         )
         self.leaves = self.residency.leaves
         self.versions = _versions(self.leaves)
@@ -783,6 +800,11 @@ class _ShardedSession:
     @property
     def gathered_peak(self) -> int:
         return self.residency.peak_bytes
+
+    @property
+    def written(self) -> list[int]:
+        """Buckets whose gathered values this rank found written bypassing autograd."""
+        return sorted(self.residency.written)
 
     def _on_complete(self, index: int) -> None:
         self.residency.on_grads_complete(index)
@@ -874,9 +896,9 @@ class _ShardedSession:
 @contextlib.contextmanager
 def _sharded(
     state: ShardState, model: nn.Module, prefetch: int, streams: SideStreams | None, *,
-    train: bool
+    train: bool, check_writes: bool = False
 ) -> Iterator[_ShardedSession]:
-    session = _ShardedSession(state, model, prefetch, streams, train)
+    session = _ShardedSession(state, model, prefetch, streams, train, check_writes)
     try:
         yield session
     finally:

@@ -154,6 +154,39 @@ def test_a_kept_view_waits_for_a_prefetch_in_flight(prefetch: int) -> None:
         gb.assert_parity(outs[0], want)
 
 
+class ClampsThroughData(nn.Module):
+    """Clips a weight in forward through ``.data`` (WGAN style): plain torch keeps the write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with gb.seeded(0):
+            self.a = nn.Linear(5, 5).double()
+            self.out = nn.Linear(5, 5).double()
+
+    def forward(self, inp: Tensor) -> Tensor:
+        self.a.weight.data.clamp_(-0.2, 0.2)
+        return self.out(torch.tanh(self.a(inp)))
+
+
+def test_a_write_through_data_in_forward_raises_at_stage_3() -> None:
+    """Stage 3 wrote it into a gathered copy it then discarded: 0.22 off torch, silently.
+    Stages 0-2 write into the state itself, as torch does."""
+    data = square(3)
+    want = gb.reference(ClampsThroughData(), gb.mse_loss, data)
+    outs = fzero.SimWorld(2).run(gb.train, ClampsThroughData(), gb.mse_loss, data, stage=0)
+    gb.assert_parity(outs[0], want)
+    outs = fzero.SimWorld(2).run(gb.train_through_failure, ClampsThroughData(), gb.mse_loss,
+                                 data[:1], stage=3, fail={})
+    errors = [out["errors"][0] for out in outs]
+    assert all(error["unchanged"] for error in errors)
+    # The rank whose part of the bucket the clamp changed raises it; the other, StepError.
+    assert {error["type"] for error in errors} <= {"ValueError", "StepError"}
+    assert any(error["type"] == "ValueError" for error in errors)
+    for error in errors:
+        assert "were written during the step in a way autograd does not see" in (
+            error["message"])
+
+
 class BiasReadInBackward(nn.Module):
     """Two Linear layers; the loss adds nothing but makes backward read the head's bias first,
     through a gradient hook: a read the guard sees, not a saved tensor (a Linear's backward does
