@@ -15,8 +15,7 @@ the Python standard library's source files), cut into sequences of ``--seq-len``
 writes a directory ``AutoModelForCausalLM.from_pretrained(DIR)`` loads.
 
 ``--gradient-checkpointing`` turns on Hugging Face's activation checkpointing (recompute each
-block in backward). Caution: fzero does not make recomputation exact yet (README,
-"Guarantees"): use it to measure memory, not for results.
+block in backward); the recomputation is exact at every stage (README, "Guarantees").
 """
 
 from __future__ import annotations

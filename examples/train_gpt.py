@@ -331,6 +331,10 @@ def run(args: argparse.Namespace, comm) -> None:
 
     # data -------------------------------------------------------------------
     tokens, about = load_corpus(args.data)  # (n_bytes,) uint8
+    if len(tokens) < 3 * (args.seq_len + 2):
+        raise SystemExit(f"--seq-len {args.seq_len} needs a corpus of at least "
+                         f"{3 * (args.seq_len + 2):,} bytes (train and validation sequences); "
+                         f"the corpus has {len(tokens):,} ({about})")
     n_val = max(len(tokens) // 20, args.seq_len + 2)
     train_data, val_data = tokens[:-n_val], tokens[-n_val:]
     gen = torch.Generator().manual_seed(args.seed + 1)  # same stream on every rank
@@ -420,7 +424,10 @@ def run(args: argparse.Namespace, comm) -> None:
         params = {k: p.detach() for k, p in model.named_parameters()}
     else:
         params = fzero.full_params(state)
-    params = {k: v.float() for k, v in params.items()}
+    # float32 for evaluation, each tensor once: a tie (the head is the embedding) stays one
+    # tensor under both names, as functional_call requires of tied names.
+    as_float: dict[int, Tensor] = {}
+    params = {k: as_float.setdefault(id(v), v.float()) for k, v in params.items()}
     buffers = dict(model.named_buffers())
 
     def call(*a, **kw):

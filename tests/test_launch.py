@@ -5,6 +5,7 @@ must train exactly as the one-node run of the same world size."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -54,6 +55,25 @@ def test_torchrun_standalone_two_processes(tmp_path: Path) -> None:
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses  # it learns
     assert ranks[1]["losses"] == losses  # every rank reports the same global loss
     assert ranks[1]["val_loss"] == ranks[0]["val_loss"]  # and gathered the same parameters
+
+
+@pytest.mark.slow
+def test_a_bfloat16_run_evaluates_and_samples(tmp_path: Path) -> None:
+    """The evaluation after training cast the parameters to float32 name by name, which made
+    the tied embedding two tensors, and functional_call refused them: every reduced-precision
+    run died after its last step."""
+    ranks = one_node(tmp_path, 2, "--param-dtype", "bfloat16")
+    assert math.isfinite(ranks[0]["val_loss"]) and ranks[1]["val_loss"] == ranks[0]["val_loss"]
+
+
+def test_a_corpus_shorter_than_the_sequences_is_named(tmp_path: Path) -> None:
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("x" * 1100)
+    done = subprocess.run([sys.executable, SCRIPT, "--steps", "1", "--seq-len", "2000",
+                           "--data", str(corpus)], env=env(), timeout=TIMEOUT,
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "--seq-len 2000 needs a corpus of at least 6,006 bytes" in (
+        done.stderr)
 
 
 @pytest.mark.slow
