@@ -221,7 +221,7 @@ def make_train_step(
     binder = Binder(model)
     plans: dict[tuple[str, int, int], Any] = {}  # decay ranges per (layout, stage, rank)
     leaves = _LeafCache()  # stages 0-2: the leaves of the state's tensors, across steps
-    checked_writes = [False]  # stage 3: whether a step looked for writes bypassing autograd
+    checked_writes = False  # stage 3: whether a step looked for writes bypassing autograd
     decayed: dict[str, tuple[str, ...] | None] = {}  # per layout: the names `decay` selects
 
     def settings(state: ShardState) -> int:
@@ -271,6 +271,7 @@ def make_train_step(
         state: ShardState, micro_batches: list[Any], problem: Exception | None,
         applied: float | None, agreed: int,
     ) -> tuple[ShardState, dict[str, Any]]:
+        nonlocal checked_writes
         comm = state.config.comm
         control = comm.channel(_CONTROL, host=True)
         header = HeaderRound(control, _header(state, len(micro_batches), kind=0, lr=applied,
@@ -286,8 +287,8 @@ def make_train_step(
         side = streams if streams is not None else Streams.for_device(state.config.device)
         run = _run(state, model, binder, loss_fn, micro_batches, buffers_now, prefetch, side,
                    sync_buffers=buffers == "broadcast", gate=header.check, leaves=leaves,
-                   check_writes=not checked_writes[0])
-        checked_writes[0] = checked_writes[0] or state.stage == 3
+                   check_writes=not checked_writes)
+        checked_writes = checked_writes or state.stage == 3
         header.check()  # no-op when a reduction waited for it already
         grads = run.grads
         if run.failure is None and not run.aborted:
@@ -553,8 +554,7 @@ def _run(
             failure = ValueError(
                 f"stage 3: parameters of buckets "
                 f"{[state.layout.buckets[i].label for i in session.written]} were written "
-                f"during the "
-                f"step in a way autograd does not see (through .data, e.g. "
+                f"during the step in a way autograd does not see (through .data, e.g. "
                 f"p.data.clamp_(...) in forward): stage 3 writes into a gathered copy it then "
                 f"discards, so the write would be lost silently. Change parameters between "
                 f"steps (fzero.full_params / a new state), or use stage 0-2, where such a write "
@@ -667,7 +667,7 @@ def _drop_if(cache: weakref.ref[_LeafCache], leaves: weakref.ref[_Leaves]) -> No
 class _ReplicatedSession:
     """Stages 0-2: full parameters, one leaf per parameter over the flat buffers."""
 
-    written: list[int] = []  # a write through .data lands in the state itself: nothing is lost
+    written: tuple[int, ...] = ()  # a write through .data lands in the state: nothing is lost
 
     def __init__(
         self, state: ShardState, streams: SideStreams | None, gate: Callable[[], None],
