@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +120,11 @@ class Lease:
     never doubles. The input state is then *consumed*: using it again (a step, `full_params`,
     a save) raises, naming the step that consumed it, instead of silently reading the new
     values. `clone_state` keeps a copy on purpose (for a rollback, an EMA, a comparison).
+
+    A state rebuilt from its pytree leaves (``tree_map(lambda t: t, state)``, or a map that
+    keeps some of the tensors a step updates) shares the lease of the state it came from, as
+    it shares the tensors: after a step consumed either, both are consumed. A map that made
+    new tensors for all of them (``tree_map(torch.clone, state)``) is a live state of its own.
     """
 
     __slots__ = ("consumed_by",)
@@ -283,18 +289,54 @@ def _flatten_state(state: ShardState) -> tuple[list[Any], Any]:
         state.buffers,
     ]
     context = (state.layout, state.stage, state.step, state.config, state.loss_scale,
-               state.bucket_order, state.param_steps, state.skipped, present)
+               state.bucket_order, state.param_steps, state.skipped, present,
+               _Origin(state.lease, _updated(state.params, state.master, state.moments)))
     return children, context
 
 
 def _unflatten_state(children: Any, context: Any) -> ShardState:
     params, grads, master, moments, buffers = children
-    layout, stage, step, config, loss_scale, bucket_order, param_steps, skipped, present = context
+    (layout, stage, step, config, loss_scale, bucket_order, param_steps, skipped, present,
+     origin) = context
+    master, moments = _absent(master, present), {
+        name: _absent(values, present) for name, values in moments.items()}
     return ShardState(
-        layout, stage, step, tuple(params), _absent(grads, present), _absent(master, present),
-        {name: _absent(values, present) for name, values in moments.items()}, dict(buffers),
-        config, loss_scale, bucket_order, param_steps, skipped,
+        layout, stage, step, tuple(params), _absent(grads, present), master, moments,
+        dict(buffers), config, loss_scale, bucket_order, param_steps, skipped,
+        lease=origin.lease_for(_updated(params, master, moments)),
     )
+
+
+def _updated(params: Sequence[Tensor], master: Sequence[Tensor | None],
+             moments: Mapping[str, Sequence[Tensor | None]]) -> list[Tensor]:
+    """The tensors of a state that a train step writes in place (see `Lease`)."""
+    return [t for t in itertools.chain(params, master, *moments.values()) if t is not None]
+
+
+class _Origin:
+    """In a state's pytree context: its lease and the tensors a step would update in place, so
+    that a state rebuilt over any of the same tensors shares the lease (`Lease`). Compares
+    equal to any other, so that states' tree specs still match (``tree_map(f, a, b)``)."""
+
+    __slots__ = ("lease", "tensors")
+
+    def __init__(self, lease: Lease, tensors: Sequence[Tensor]) -> None:
+        self.lease = lease
+        self.tensors = [weakref.ref(t) for t in tensors]
+
+    def lease_for(self, tensors: Sequence[Tensor]) -> Lease:
+        """The origin's lease if `tensors` share one with it, else a new one."""
+        held = {id(t) for t in (ref() for ref in self.tensors) if t is not None}
+        return self.lease if any(id(t) in held for t in tensors) else Lease()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Origin)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return f"_Origin({self.lease})"
 
 
 def _present(values: tuple[Tensor | None, ...]) -> tuple[Tensor, ...]:

@@ -63,3 +63,37 @@ def test_pytree_copy_is_live_but_the_consumed_state_is_not() -> None:
         return True
 
     assert fzero.SimWorld(1).run(body) == [True]
+
+
+def test_pytree_alias_shares_the_lease() -> None:
+    """A state rebuilt over the same tensors (an identity tree_map, or one that copies only
+    some of them) shares the lease: after a step consumed either, both raise instead of
+    re-applying the step to tensors it already updated. A map over two states still works."""
+    import torch.utils._pytree as pytree
+
+    def body(comm):
+        model = gb.MLP64()
+        step = fzero.make_train_step(model, gb.mse_loss)
+        batch = gb.mse_batches(1, rows=2)[0]
+        errors = []
+        for consume in ("original", "alias", "partial"):
+            state = fzero.init(model, stage=1, comm=comm, optimizer=fzero.optim.adamw())
+            if consume == "partial":  # new moments, the same parameters: still one state
+                ids = {id(t) for t in state.params}
+                alias = pytree.tree_map(
+                    lambda t, ids=ids: t if id(t) in ids else t.clone(), state)
+            else:
+                alias = pytree.tree_map(lambda t: t, state)
+            used, other = (alias, state) if consume == "alias" else (state, alias)
+            new = step(used, batch)[0]
+            with pytest.raises(ValueError, match="consumed by train step 1"):
+                step(other, batch)
+            with pytest.raises(ValueError, match="consumed by train step 1"):
+                fzero.full_params(other)
+            errors.append(consume)
+        difference = pytree.tree_map(torch.sub, new, fzero.clone_state(new))
+        assert all(not t.any() for t in pytree.tree_leaves(difference))
+        fzero.full_params(difference)  # new tensors: a live state of its own
+        return errors
+
+    assert fzero.SimWorld(1).run(body) == [["original", "alias", "partial"]]
