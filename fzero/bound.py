@@ -266,14 +266,36 @@ class ModuleVersions:
     would be silently ignored, so steps look for one: each tensor's version counter, bumped by
     every in-place write, its data pointer, dtype and device are recorded here and compared. A
     tensor the module has since *replaced* (another object under that name:
-    ``model.to("meta")``, an assignment) is not watched any more; an in-place write through
-    ``.data`` (``p.data.copy_(x)``) bumps no counter and is not seen. Tensors on ``meta`` hold
-    no values and are not watched.
+    ``model.to("meta")``, an assignment) is not watched any more. An in-place write through
+    ``.data`` (``p.data.copy_(x)``) bumps no counter: when the state's tensors took their
+    values from the module (`taken_into`: ``fzero.init`` of a materialized model, on rank 0,
+    whose values every rank takes), the first step compares every watched tensor's values with
+    the state's once (`unverified`), which sees such a write made between building the state
+    and training it (loading weights through ``.data`` after ``init``), unless the state's own
+    tensors were written since (then they, not the module, hold the values to train); later
+    writes are not seen. Tensors on ``meta`` hold no values and are not watched.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, taken_into: Sequence[Tensor] = ()) -> None:
         self._seen: dict[str, _Seen] = {}
+        self._taken = [(weakref.ref(t), t._version) for t in taken_into]
         self.accept(dict(_own_tensors(model)))
+
+    def unverified(self, model: nn.Module) -> dict[str, Tensor]:
+        """Every watched tensor `model` still holds, while their values were never compared
+        with those of the state's tensors that took them, which nothing wrote since (see the
+        class note); else nothing."""
+        if any(ref() is None or ref()._version != version for ref, version in self._taken):
+            self._taken = []  # the state's tensors were written: they hold what trains now
+        if not self._taken:
+            return {}
+        return {name: tensor for name, seen in self._seen.items()
+                if (tensor := seen.ref()) is not None and _holds(model, name, tensor)}
+
+    def verified(self) -> None:
+        """The watched tensors' values were found to be the state's: `unverified` is empty
+        from now on."""
+        self._taken = []
 
     def written(self, model: nn.Module) -> dict[str, Tensor]:
         """The module's tensors (by name, tied names included) that are the objects recorded
@@ -308,10 +330,13 @@ class _Seen(NamedTuple):
     kind: tuple[torch.dtype, torch.device]
 
 
-def module_versions(model: nn.Module | Mapping[str, Tensor]) -> ModuleVersions | None:
+def module_versions(model: nn.Module | Mapping[str, Tensor], *,
+                    taken_into: Sequence[Tensor] = ()) -> ModuleVersions | None:
     """`ModuleVersions` of `model` now (`ShardConfig.module_versions`); None for a mapping of
-    tensors, which a step never sees again."""
-    return ModuleVersions(model) if isinstance(model, nn.Module) else None
+    tensors, which a step never sees again. `taken_into`: the state's tensors that took the
+    module's values (see `ModuleVersions`)."""
+    return (ModuleVersions(model, taken_into=taken_into) if isinstance(model, nn.Module)
+            else None)
 
 
 def _holds(model: nn.Module, name: str, tensor: Tensor) -> bool:

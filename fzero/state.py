@@ -477,8 +477,11 @@ def init(
     for value in buffers.values():
         if value.numel():
             comm.broadcast(value.view(-1), src=0)
+    # Rank 0's module values are every rank's state (broadcast above): its first step compares.
+    taken = ([*params, *buffers.values()] if comm.rank == 0 and init_fn is None and load is None
+             else [])
     config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device,
-                         requires_grad_flags(model), module_versions(model))
+                         requires_grad_flags(model), module_versions(model, taken_into=taken))
     float16 = any(b.trainable and b.torch_dtype == torch.float16 for b in layout.buckets)
     loss_scale = LossScale() if float16 else None  # however the model got to float16
     return ShardState(

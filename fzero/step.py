@@ -1206,8 +1206,9 @@ def _check_module_writes(model: nn.Module, state: ShardState) -> None:
     versions = state.config.module_versions
     if versions is None:
         return
-    written = versions.written(model)
+    written = {**versions.unverified(model), **versions.written(model)}
     if not written:
+        versions.verified()
         return
     located = state.layout.locate()
     converted = {}
@@ -1237,14 +1238,16 @@ def _check_module_writes(model: nn.Module, state: ShardState) -> None:
     if differ:
         raise ValueError(
             f"the module's own tensors {sorted(differ)[:5]} were written in place after the "
-            f"state was built (model.load_state_dict(...), a copy_ under no_grad) and now hold "
-            f"other values than the state's. A step trains the state's tensors and never reads "
-            f"the module's values again, so these would be silently ignored. To train from "
+            f"state was built (model.load_state_dict(...), a copy_ under no_grad, a write "
+            f"through .data) and now hold other values than the state's. A step trains the "
+            f"state's tensors and never reads the module's values again, so these would be "
+            f"silently ignored. To train from "
             f"them, build the state again from the module (fzero.init) or load them into it "
             f"(fzero.init(..., load=), a checkpoint); to read the state's values, use "
             f"fzero.full_params(state)"
         )
     versions.accept(written)
+    versions.verified()
 
 
 def _state_kind(state: ShardState, name: str, located: Mapping[str, tuple[int, Any]]

@@ -905,6 +905,47 @@ def test_writing_the_modules_tensors_after_the_state_was_built_raises(
     assert kind == "StepError" and "rank(s) [1] could not start it" in message and moved == 0
 
 
+def _data_write_outcome(comm: Any, *, stage: int, write_rank: int | None) -> Any:
+    """Build each rank's module from its own seed (rank 0's values are every rank's state),
+    write other values into every parameter through `.data` (no version bump) on `write_rank`
+    before the first step, then step: None, or the exception (type name, message) and the
+    bytes it moved."""
+    model = gb.BatchNormNet(seed=comm.rank)
+    state = fzero.init(model, stage=stage, optimizer=gb.make_optimizer(("sgd", gb.SGD)),
+                       comm=comm)
+    if comm.rank == write_rank:  # pretrained weights loaded the old way, after init
+        pretrained = dict(gb.BatchNormNet(seed=5).named_parameters())
+        for name, tensor in model.named_parameters():
+            tensor.data.copy_(pretrained[name])
+    step = fzero.make_train_step(model, gb.mse_loss)
+    batch = gb.rank_rows(gb.mse_batches(1, rows=4 * comm.world_size, d_in=5, d_out=3)[0],
+                         comm.rank, comm.world_size)
+    sent = comm.counters.total()
+    try:
+        step(state, batch)
+    except Exception as exc:  # reported to the test, per rank
+        return type(exc).__name__, str(exc), comm.counters.total() - sent
+    return None
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_write_through_data_before_the_first_step_raises(stage: int) -> None:
+    """`p.data.copy_(w)` between `init` and the first step bumps no version counter; rank 0,
+    whose module values every rank's state took, compares them with the state's at the first
+    step (stage 3: with its shard) and raises, naming the tensors; the other ranks' modules
+    (other seeds here) are not the state's values and are not compared."""
+    outcomes = fzero.SimWorld(2).run(_data_write_outcome, stage=stage, write_rank=0)
+    kind, message, moved = outcomes[0]
+    assert kind == "ValueError" and moved == 0, outcomes[0]
+    names = "['fc1.bias', 'fc1.weight', 'fc2.bias', 'fc2.weight']" if stage < 3 else "["
+    assert f"tensors {names}" in message and "written in place after the state" in message
+    assert "a write through .data" in message
+    kind, message, moved = outcomes[1]
+    assert kind == "StepError" and "rank(s) [0] could not start it" in message and moved == 0
+    assert fzero.SimWorld(2).run(_data_write_outcome, stage=stage, write_rank=1) == [None] * 2
+    assert fzero.SimWorld(2).run(_data_write_outcome, stage=stage, write_rank=None) == [None] * 2
+
+
 def _export_body(comm: Any, *, stage: int, export: bool) -> list[Tensor]:
     """Three steps; with `export`, the state's values are copied into the module (and its
     buffers) between steps 1 and 2, as an export for `save_pretrained` might do."""
