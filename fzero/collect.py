@@ -40,7 +40,7 @@ from torch import Tensor
 
 from fzero.comm import Comm, Work, check_comm, fingerprint_check
 from fzero.flat import unflatten
-from fzero.layout import Bucket, ShardLayout
+from fzero.layout import Bucket, ShardLayout, check_dtypes
 
 __all__ = [
     "Collectives",
@@ -319,10 +319,7 @@ def collectives(
         raise TypeError(f"collectives: layout must be a ShardLayout (from fzero.plan), got "
                         f"{type(layout).__name__}")
     check_comm(comm, "collectives")
-    if reduce_dtype is not None and not (
-            isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
-        raise TypeError(f"reduce_dtype must be a floating torch.dtype or None, got "
-                        f"{reduce_dtype!r}")
+    check_dtypes(reduce_dtype=reduce_dtype)
     if comm.world_size != layout.world_size:
         raise ValueError(
             f"the layout is planned for world_size={layout.world_size} but the comm has "

@@ -34,6 +34,8 @@ __all__ = [
     "Entry",
     "Segment",
     "ShardLayout",
+    "TRAINING_DTYPES",
+    "check_dtypes",
     "flatten_names",
     "plan",
 ]
@@ -680,3 +682,19 @@ def _check_world_size(world_size: int) -> None:
 def _check_rank(rank: int, world_size: int) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank=}")
+
+
+TRAINING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The floating dtypes a state computes, reduces and updates in (torch has no arithmetic for
+the float8 types on every device: a step would fail in a kernel)."""
+
+
+def check_dtypes(**dtypes: torch.dtype | None) -> None:
+    """Raise unless every given dtype is one of `TRAINING_DTYPES` or None (names the
+    argument)."""
+    for what, dtype in dtypes.items():
+        if dtype is not None and not (isinstance(dtype, torch.dtype)
+                                      and dtype in TRAINING_DTYPES):
+            raise TypeError(f"{what} must be a floating torch.dtype that training computes "
+                            f"in ({', '.join(map(str, TRAINING_DTYPES))}) or None, got "
+                            f"{dtype!r}")

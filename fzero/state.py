@@ -39,7 +39,7 @@ from fzero.bound import (
 )
 from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite, flatten, shard_view
-from fzero.layout import Bucket, Entry, ShardLayout, flatten_names, plan
+from fzero.layout import Bucket, Entry, ShardLayout, check_dtypes, flatten_names, plan
 from fzero.optim import Optimizer
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "check_dtypes",
     "check_finite",
     "check_live",
+    "check_reduce_dtype",
     "clone_state",
     "init",
     "state_bytes",
@@ -177,11 +178,18 @@ class ShardState:
         return self.config.comm.rank
 
 
-def check_dtypes(**dtypes: torch.dtype | None) -> None:
-    """Raise unless every given dtype is a floating torch.dtype or None (names the argument)."""
-    for what, dtype in dtypes.items():
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"{what} must be a floating torch.dtype or None, got {dtype!r}")
+def check_reduce_dtype(reduce_dtype: torch.dtype | None, layout: ShardLayout) -> None:
+    """Raise if `reduce_dtype` is float16 while no trainable parameter is: only float16
+    parameters get a loss scale, and without one gradients below float16's range would reduce
+    to zero, silently."""
+    if reduce_dtype == torch.float16 and not any(
+            b.trainable and b.torch_dtype == torch.float16 for b in layout.buckets):
+        raise ValueError(
+            "reduce_dtype=torch.float16 needs float16 parameters (param_dtype=torch.float16): "
+            "only they get a loss scale, and without one gradients below float16's range "
+            "(6e-8) would reduce to zero silently; use torch.bfloat16 to halve the reduction's "
+            "bytes"
+        )
 
 
 def state_device(device: torch.device | str | None, comm: Comm) -> torch.device:
@@ -390,9 +398,15 @@ def init(
         param_dtype: compute dtype of floating parameters and buffers (e.g.
             ``torch.bfloat16``, as ``model.to(param_dtype)`` would); default their own dtypes.
         master_dtype: dtype of the optimizer's copy of trainable parameters and its moments;
-            default the parameters' own dtype but at least float32 (float64 stays float64, as
-            torch.optim keeps it; bfloat16 and float16 get a float32 master copy).
-        reduce_dtype: dtype gradients are reduced and kept in; default `param_dtype`.
+            default the wider of the parameters' own dtype and `param_dtype`, but at least
+            float32 (float64 stays float64, as torch.optim keeps it, also for a float32 model
+            given ``param_dtype=torch.float64``; bfloat16 and float16 get a float32 master
+            copy).
+        reduce_dtype: dtype gradients are reduced in (default: the compute dtype). Stages 2-3
+            also keep the reduced shards in it, so micro-batches accumulate in it; stages 0-1
+            accumulate them in the compute dtype, in ``.grad`` (autograd's own accumulation, as
+            single-process torch and DDP do) and cast for the reduction. ``float16`` needs
+            float16 parameters (their loss scale keeps small gradients above its range).
         trainable: which parameters train, as for `fzero.plan` (default ``requires_grad``).
         device: where the state lives; default the comm's device (CPU for gloo).
         init_fn: for a ``meta`` model: ``init_fn(module)`` initializes, in place and under
@@ -434,7 +448,8 @@ def init(
         raise ValueError("init: the model has no parameters: there is nothing to train")
     layout = source_layout.cast(param_dtype) if param_dtype is not None else source_layout
     if master_dtype is None:
-        master_dtype = _default_master_dtype(source_layout)
+        master_dtype = _default_master_dtype(source_layout, layout)
+    check_reduce_dtype(reduce_dtype, layout)
     fingerprint_check(comm, layout.fingerprint, "layout fingerprint (parameter names, shapes "
                       "and dtypes)")
     module_buffers = dict(model.named_buffers()) if isinstance(model, nn.Module) else {}
@@ -511,7 +526,9 @@ def state_bytes_theory(state: ShardState) -> float:
     total = 0.0
     if trainable:
         param_bytes = trainable[0].torch_dtype.itemsize
-        grad_bytes = (state.config.reduce_dtype or trainable[0].torch_dtype).itemsize
+        # Stages 0-1 keep full gradients in the compute dtype (see init's reduce_dtype).
+        reduce_dtype = state.config.reduce_dtype if state.stage >= 2 else None
+        grad_bytes = (reduce_dtype or trainable[0].torch_dtype).itemsize
         master_bytes = state.config.master_dtype.itemsize
         separate_master = trainable[0].torch_dtype != state.config.master_dtype
         k = master_bytes * (len(state.moments) + int(separate_master))
@@ -716,10 +733,11 @@ def _keep(flat: Tensor, bucket: Bucket, rank: int, *, full: bool) -> Tensor:
     return flat if full else shard_view(flat, bucket, rank)
 
 
-def _default_master_dtype(layout: ShardLayout) -> torch.dtype:
-    """The trainable parameters' widest floating dtype, but at least float32."""
+def _default_master_dtype(*layouts: ShardLayout) -> torch.dtype:
+    """The trainable parameters' widest floating dtype in any of `layouts` (the model's own,
+    and the one cast to ``param_dtype``), but at least float32."""
     widest = torch.float32
-    for bucket in layout.buckets:
+    for bucket in (b for layout in layouts for b in layout.buckets):
         dtype = bucket.torch_dtype
         if bucket.trainable and dtype.is_floating_point and dtype.itemsize > widest.itemsize:
             widest = dtype

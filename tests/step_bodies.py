@@ -468,11 +468,13 @@ def tree_map_body(
     }
 
 
-def padding_bytes(layout: ShardLayout, stage: int, moment_bytes: int = 8) -> float:
+def padding_bytes(layout: ShardLayout, stage: int, moment_bytes: int = 8,
+                  reduce_dtype: torch.dtype | None = None) -> float:
     """Bytes the padding adds to a rank's state, per docs/design.md's table (what each stage
     keeps full and what it keeps as shards). fp32 AdamW keeps params (which double as the master
     copy), grads and two 4-byte moments; mixed precision adds a separate fp32 master. A full
-    storage holds a bucket's whole padding, a shard 1/N of it."""
+    storage holds a bucket's whole padding, a shard 1/N of it. Stages 2-3 keep gradient shards
+    in `reduce_dtype` when given."""
     n = layout.world_size
     total = 0.0
     for bucket in layout.buckets:
@@ -481,11 +483,12 @@ def padding_bytes(layout: ShardLayout, stage: int, moment_bytes: int = 8) -> flo
             total += pad * size / (n if stage == 3 else 1)
             continue
         master = 4 if bucket.torch_dtype != torch.float32 else 0
+        grad = reduce_dtype.itemsize if reduce_dtype is not None else size
         full, sharded = {  # bytes per element kept full, kept as shards
             0: (size + size + master + moment_bytes, 0),
             1: (size + size, master + moment_bytes),
-            2: (size, size + master + moment_bytes),
-            3: (0, size + size + master + moment_bytes),
+            2: (size, grad + master + moment_bytes),
+            3: (0, size + grad + master + moment_bytes),
         }[stage]
         total += pad * full + pad * sharded / n
     return total

@@ -48,6 +48,17 @@ def test_a_float32_master_would_be_visible() -> None:
     assert gb.max_difference(out["params"], mlp_reference().params) > 1e-9
 
 
+def test_param_dtype_float64_of_a_float32_model_gets_a_float64_master() -> None:
+    """``param_dtype=torch.float64`` acts as ``model.double()`` would: the master copy is at
+    least as wide as the parameters (it was float32, 1e-7 off float64 torch)."""
+    model = gb.MLP64(dtype=torch.float32)
+    out = fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, gb.mse_batches(STEPS), stage=1,
+                                init_kwargs={"param_dtype": torch.float64})[0]
+    assert out["master_dtype"] == torch.float64
+    gb.assert_parity(out, gb.reference(model.double(), gb.mse_loss, gb.mse_batches(STEPS),
+                                       gb.torch_adamw))
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_decay_matrices_is_torchs_two_param_groups(stage: int) -> None:
     want = mlp_reference(gb.torch_adamw_two_groups)

@@ -244,6 +244,28 @@ def test_state_bytes_theory_is_the_table(world: int) -> None:
             assert state_bytes(state) == pytest.approx(table[stage] + pad, abs=1e-6)
 
 
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_state_bytes_theory_with_another_reduce_dtype(world: int) -> None:
+    """reduce_dtype other than the compute dtype: stages 2-3 keep their gradient shards in it,
+    stages 0-1 keep full gradients in the compute dtype (the theory counted them in
+    reduce_dtype). By hand, P and G the bytes per element of parameters and gradients."""
+    psi = sum(p.numel() for p in MLP().parameters())
+    for param_dtype, reduce_dtype, master_k in ((torch.bfloat16, torch.float32, 12),
+                                                (None, torch.bfloat16, 8)):
+        p = 2 if param_dtype is not None else 4
+        g = {0: p, 1: p, 2: reduce_dtype.itemsize, 3: reduce_dtype.itemsize}
+        for stage in STAGES:
+            table = {0: (p + g[0] + master_k) * psi,
+                     1: (p + g[1]) * psi + master_k * psi / world,
+                     2: p * psi + (g[2] + master_k) * psi / world,
+                     3: (p + g[3] + master_k) * psi / world}
+            state = run(world, sb.init_body, MLP(), stage=stage, param_dtype=param_dtype,
+                        reduce_dtype=reduce_dtype)[0]
+            assert state_bytes_theory(state) == pytest.approx(table[stage], rel=1e-12)
+            pad = sb.padding_bytes(state.layout, stage, reduce_dtype=reduce_dtype)
+            assert state_bytes(state) == pytest.approx(table[stage] + pad, abs=1e-6)
+
+
 def test_state_bytes_without_optimizer_moments() -> None:
     """Plain SGD keeps no moments: stage 0 fp32 is params + grads only, 8 bytes per element."""
     sgd = fzero.optim.sgd(lr=0.1)

@@ -28,7 +28,7 @@ from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite
 from fzero.layout import ShardLayout, _parse_dtype, flatten_names, plan
 from fzero.optim import Optimizer, OptimizerSpec, from_spec
-from fzero.state import STAGES, ShardState, check_dtypes, state_device
+from fzero.state import STAGES, ShardState, check_dtypes, check_reduce_dtype, state_device
 
 __all__ = ["Reader", "load"]
 
@@ -107,6 +107,7 @@ def load(
     device = state_device(device, comm)
     layout = _layout(path, manifest, model, comm.world_size, buckets, trainable, param_dtype,
                      weights_only)
+    check_reduce_dtype(reduce_dtype, layout)
     optimizer = _optimizer(path, manifest, optimizer, weights_only)
     buffer_names = _check_buffers(path, manifest, model)
     fingerprint_check(comm, layout.fingerprint, "layout fingerprint (parameter names, shapes "
