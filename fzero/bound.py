@@ -39,7 +39,7 @@ from torch.func import functional_call
 from fzero.layout import ShardLayout
 
 __all__ = ["Binder", "ModuleVersions", "buffers_fingerprint", "check_buffers",
-           "check_structure", "module_versions", "requires_grad_flags"]
+           "check_structure", "claim", "module_versions", "requires_grad_flags"]
 
 T = TypeVar("T")
 
@@ -130,6 +130,31 @@ class Binder:
         if not repeated:
             return tensors
         return {name: tensor for name, tensor in tensors.items() if name not in repeated}
+
+
+_RUNNING = "_fzero_step_running"
+"""The key a step sets in the module's ``__dict__`` while it runs on it (`claim`)."""
+
+
+def claim(model: nn.Module, what: str) -> Callable[[], None]:
+    """Mark `model` as in use by one step until the returned function is called.
+
+    A step binds the state's tensors into the module's attributes, and at stage 3 hooks its
+    modules; two steps running on one module object at once (SimWorld ranks or threads
+    sharing it) would read each other's tensors and leave one in the module, silently.
+
+    Raises:
+        ValueError: another step runs on `model` now.
+    """
+    token = object()
+    if model.__dict__.setdefault(_RUNNING, token) is not token:  # atomic: one dict operation
+        raise ValueError(
+            f"{what}: another step is running on this nn.Module object right now (SimWorld "
+            f"ranks or threads that share one model): each step binds its state's tensors "
+            f"into the module, so they would read each other's. Give each rank its own "
+            f"module (SimWorld.run(fn, model) passes each rank a copy)"
+        )
+    return lambda: model.__dict__.pop(_RUNNING, None)
 
 
 def _attribute(model: nn.Module, name: str) -> Any:

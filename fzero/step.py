@@ -43,7 +43,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from fzero.bound import Binder, buffers_fingerprint, check_buffers, check_structure
+from fzero.bound import Binder, buffers_fingerprint, check_buffers, check_structure, claim
 from fzero.buckets import Completion, Reducer
 from fzero.collect import Pending, SideStreams, Streams, all_gather_bucket
 from fzero.comm import Comm
@@ -245,8 +245,10 @@ def make_train_step(
         micro_batches: list[Any] = []
         applied: float | None = None  # the learning rate of this step, on every parameter
         agreed = 0  # the settings' fingerprint
+        release: Callable[[], None] | None = None
         try:  # checks that may fail on one rank only: reported to all through the header
             check_live(state, "step")
+            release = claim(model, "step")
             _check_model(model, state, requires_grad=state.config.requires_grad)
             if not state.trainable:
                 raise ValueError("step: the state has no trainable parameter (every parameter "
@@ -264,8 +266,12 @@ def make_train_step(
             agreed = settings(state)
         except (TypeError, ValueError) as exc:
             problem = exc
-        with state.config.comm.scope(f"train step {state.step + 1}"):
-            return _train(state, micro_batches, problem, applied, agreed)
+        try:
+            with state.config.comm.scope(f"train step {state.step + 1}"):
+                return _train(state, micro_batches, problem, applied, agreed)
+        finally:
+            if release is not None:
+                release()
 
     def _train(
         state: ShardState, micro_batches: list[Any], problem: Exception | None,
@@ -366,9 +372,25 @@ def make_eval_step(
         if not isinstance(state, ShardState):
             raise TypeError(f"evaluate needs a ShardState (from fzero.init), got "
                             f"{type(state).__name__}")
-        if state.stage < 3:  # local: no collective, so checks may raise here
+        problem: Exception | None = None
+        release: Callable[[], None] | None = None
+        try:
             check_live(state, "evaluate")
+            release = claim(model, "evaluate")
             _check_model(model, state)
+        except (TypeError, ValueError) as exc:
+            if state.stage < 3:  # local: no collective, so checks raise here
+                if release is not None:
+                    release()
+                raise
+            problem = exc
+        try:
+            return _evaluate(state, batch, problem)
+        finally:
+            if release is not None:
+                release()
+
+    def _evaluate(state: ShardState, batch: Any, problem: Exception | None) -> Any:
         buffers = {name: b.clone() for name, b in state.buffers.items()}
         if state.stage < 3:
             leaves = [entry_views(flat, bucket)
@@ -376,12 +398,6 @@ def make_eval_step(
             with torch.no_grad():
                 return binder.run(_bindings(state, leaves, buffers),
                                   lambda: fn(model.__call__, batch))
-        problem: Exception | None = None
-        try:
-            check_live(state, "evaluate")
-            _check_model(model, state)
-        except (TypeError, ValueError) as exc:
-            problem = exc
         control = state.config.comm.channel(_CONTROL, host=True)
         agree_header(control, _header(state, 0 if problem else 1, kind=1), what="eval step",
                      own=problem)

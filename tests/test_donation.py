@@ -97,3 +97,31 @@ def test_pytree_alias_shares_the_lease() -> None:
         return errors
 
     assert fzero.SimWorld(1).run(body) == [["original", "alias", "partial"]]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_step_on_a_module_another_step_runs_on_raises(stage: int) -> None:
+    """Two steps at once on one nn.Module object (SimWorld ranks sharing a module from an
+    enclosing scope) would each bind their state's tensors into it and read the other's:
+    silently wrong, and the module left holding a state's tensor. A step (and an eval step)
+    raises while another holds the module; the claim ends with the step, also a failed one."""
+    from fzero.bound import claim
+
+    def body(comm):
+        model = gb.MLP64()
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        step = fzero.make_train_step(model, gb.mse_loss)
+        evaluate = fzero.make_eval_step(model, lambda call, batch: call(batch[0]))
+        batch = gb.mse_batches(1, rows=2)[0]
+        release = claim(model, "another step")
+        for run in (lambda: step(state, batch), lambda: evaluate(state, batch)):
+            with pytest.raises(ValueError, match="another step is running on this nn.Module"):
+                run()
+        release()
+        with pytest.raises(ValueError, match="no rows"):
+            step(state, [t[:0] for t in batch])
+        evaluate(state, batch)
+        state, _ = step(state, batch)
+        return state.step, vars(model).get("_fzero_step_running")
+
+    assert fzero.SimWorld(1).run(body) == [(1, None)]
