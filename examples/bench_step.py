@@ -813,6 +813,9 @@ def main() -> None:
                 label = LABELS[row.removesuffix(COMPUTE)] + (" (compute)" if COMPUTE in row
                                                              else "")
                 status = res.get("error") or f"{fmt_ms(res['median'])} ms"
+                if "compute_median" in res:  # a t_compute row times three things in turn
+                    status = (f"t_step {status}, t_compute {fmt_ms(res['compute_median'])} ms, "
+                              f"t_comm {fmt_ms(res['comm_median'])} ms")
                 quiet = f", others {others:.2f} cores before" if others is not None else ""
                 if "others_cores" in res:
                     quiet += f", others {res['others_cores']:.2f} cores during"
