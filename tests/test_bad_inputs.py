@@ -772,6 +772,12 @@ def _outcome_after_change(
     state, _ = step(state, batch)
     if comm.rank == change_rank:
         change(model)
+    return _step_outcome(comm, step, state, batch)
+
+
+def _step_outcome(comm: Any, step: Callable[..., Any], state: Any, batch: Any) -> Any:
+    """None if ``step(state, batch)`` ran, else its exception (type name, message) and the
+    bytes it moved."""
     sent = comm.counters.total()
     try:
         step(state, batch)
@@ -936,12 +942,7 @@ def _data_write_outcome(comm: Any, *, stage: int, write_rank: int | None) -> Any
     step = fzero.make_train_step(model, gb.mse_loss)
     batch = gb.rank_rows(gb.mse_batches(1, rows=4 * comm.world_size, d_in=5, d_out=3)[0],
                          comm.rank, comm.world_size)
-    sent = comm.counters.total()
-    try:
-        step(state, batch)
-    except Exception as exc:  # reported to the test, per rank
-        return type(exc).__name__, str(exc), comm.counters.total() - sent
-    return None
+    return _step_outcome(comm, step, state, batch)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
