@@ -1296,6 +1296,8 @@ def _same_values(module_tensor: Tensor, state_tensor: Tensor) -> bool:
     if tuple(module_tensor.shape) != tuple(state_tensor.shape):
         return False
     cast = module_tensor.to(device=state_tensor.device, dtype=state_tensor.dtype)
+    if torch.equal(cast, state_tensor):  # the common case, without temporaries
+        return True
     same = cast == state_tensor
     if state_tensor.is_floating_point() or state_tensor.is_complex():
         same |= cast.isnan() & state_tensor.isnan()
