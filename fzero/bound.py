@@ -39,7 +39,8 @@ from torch.func import functional_call
 from fzero.layout import ShardLayout
 
 __all__ = ["Binder", "ModuleVersions", "buffers_fingerprint", "check_buffers",
-           "check_structure", "claim", "module_versions", "requires_grad_flags"]
+           "check_structure", "claim", "module_versions", "requires_grad_flags",
+           "same_values"]
 
 T = TypeVar("T")
 
@@ -107,7 +108,6 @@ class Binder:
         return functional_call(self._runner, prefixed, (keeping if keep else fn,),
                                tie_weights=False, strict=False)
 
-
     def _one_name_per_attribute(self, tensors: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         """`tensors` with one name for each module attribute: a module registered under two
         names (``self.mid`` and ``self.blocks = nn.ModuleList([self.mid])``) reaches one
@@ -155,6 +155,21 @@ def claim(model: nn.Module, what: str) -> Callable[[], None]:
             f"module (SimWorld.run(fn, model) passes each rank a copy)"
         )
     return lambda: model.__dict__.pop(_RUNNING, None)
+
+
+def same_values(tensor: Tensor, reference: Tensor) -> bool:
+    """Whether `tensor` (a module's) holds `reference`'s values (the state's, or another
+    name's of one tie): the same shape, equal after a cast to `reference`'s dtype and device
+    (NaN equals NaN)."""
+    if tuple(tensor.shape) != tuple(reference.shape):
+        return False
+    cast = tensor.to(device=reference.device, dtype=reference.dtype)
+    if torch.equal(cast, reference):  # the common case, without temporaries
+        return True
+    same = cast == reference
+    if reference.is_floating_point() or reference.is_complex():
+        same |= cast.isnan() & reference.isnan()
+    return bool(same.all())
 
 
 def _attribute(model: nn.Module, name: str) -> Any:

@@ -36,6 +36,7 @@ from fzero.bound import (
     buffers_fingerprint,
     module_versions,
     requires_grad_flags,
+    same_values,
 )
 from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite, flatten, shard_view
@@ -698,8 +699,9 @@ def _pick(
         if not given:
             raise ValueError(f"{what}() returned no value for parameter {entry.name!r}")
         first = values[given[0]]
-        differ = [n for n in given[1:] if values[n] is not first and not torch.equal(
-            values[n].detach().to(first.device, first.dtype), first.detach())]
+        differ = [n for n in given[1:]
+                  if values[n] is not first and not same_values(values[n].detach(),
+                                                                first.detach())]
         if differ:
             raise ValueError(
                 f"{what}() returned different values for {[given[0], *differ]}, which the "

@@ -43,7 +43,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from fzero.bound import Binder, buffers_fingerprint, check_buffers, check_structure, claim
+from fzero.bound import (
+    Binder,
+    buffers_fingerprint,
+    check_buffers,
+    check_structure,
+    claim,
+    same_values,
+)
 from fzero.buckets import Completion, Reducer
 from fzero.collect import Pending, SideStreams, Streams, all_gather_bucket
 from fzero.comm import Comm
@@ -375,16 +382,14 @@ def make_eval_step(
         problem: Exception | None = None
         release: Callable[[], None] | None = None
         try:
-            check_live(state, "evaluate")
-            release = claim(model, "evaluate")
-            _check_model(model, state)
-        except (TypeError, ValueError) as exc:
-            if state.stage < 3:  # local: no collective, so checks raise here
-                if release is not None:
-                    release()
-                raise
-            problem = exc
-        try:
+            try:
+                check_live(state, "evaluate")
+                release = claim(model, "evaluate")
+                _check_model(model, state)
+            except (TypeError, ValueError) as exc:
+                if state.stage < 3:  # local: no collective, so checks raise here
+                    raise
+                problem = exc
             return _evaluate(state, batch, problem)
         finally:
             if release is not None:
@@ -1279,29 +1284,16 @@ def _holds_state_values(state: ShardState, name: str, tensor: Tensor) -> bool:
     """Whether the module's `tensor` (parameter or buffer `name`) holds the state's values, in
     the state's dtype (stage 3: in this rank's shard)."""
     if name in state.buffers:
-        return _same_values(tensor, state.buffers[name])
+        return same_values(tensor, state.buffers[name])
     index, entry = state.layout.locate()[name]
     flat = state.params[index]
     if state.stage < 3:
-        return _same_values(tensor, flat[entry.offset : entry.end].view(entry.shape))
+        return same_values(tensor, flat[entry.offset : entry.end].view(entry.shape))
     values = tensor.reshape(-1)
     return all(
-        _same_values(values[seg.entry_start : seg.entry_start + seg.shard_end - seg.shard_start],
-                     flat[seg.shard_start : seg.shard_end])
+        same_values(values[seg.entry_start : seg.entry_start + seg.shard_end - seg.shard_start],
+                    flat[seg.shard_start : seg.shard_end])
         for seg in state.layout.buckets[index].segments(state.rank) if seg.entry == entry)
-
-
-def _same_values(module_tensor: Tensor, state_tensor: Tensor) -> bool:
-    """Equal after a cast to the state tensor's dtype and device (NaN equals NaN)."""
-    if tuple(module_tensor.shape) != tuple(state_tensor.shape):
-        return False
-    cast = module_tensor.to(device=state_tensor.device, dtype=state_tensor.dtype)
-    if torch.equal(cast, state_tensor):  # the common case, without temporaries
-        return True
-    same = cast == state_tensor
-    if state_tensor.is_floating_point() or state_tensor.is_complex():
-        same |= cast.isnan() & state_tensor.isnan()
-    return bool(same.all())
 
 
 def _versions(leaves: Sequence[Sequence[Tensor]]) -> list[list[int]]:
