@@ -637,8 +637,9 @@ def print_paired(rows: list[str], paired: dict) -> None:
     def ratio(row: str, base: str) -> str:
         if row == base:
             return "1.00"
-        q1, q2, q3 = statistics.quantiles(
-            [t / u for t, u in zip(times[row], times[base], strict=True)], n=4)
+        q1, q2, q3 = statistics.quantiles(  # inclusive: within the ratios, never beyond
+            [t / u for t, u in zip(times[row], times[base], strict=True)], n=4,
+            method="inclusive")
         return f"{q2:.2f} ({q1:.2f}–{q3:.2f})"
 
     heads = {"ddp": "vs DDP", "ddp_zero": "vs ZeRO-opt", "fsdp2": "vs FSDP2"}
