@@ -86,11 +86,16 @@ class SlowStreams(Streams):
 
 
 def cuda_missing_wait_body(comm: Any) -> tuple[bool, bool]:
-    """`missing_wait_body` on the GPU: read an all-gather's output before and after waiting."""
+    """`missing_wait_body` on the GPU: read an all-gather's output before and after waiting.
+    The kernels it reads with run once first, so their lazy loading (which may synchronize the
+    device) happens before the collective is in flight."""
     layout = fzero.plan({"w": torch.zeros(6)}, comm.world_size)
     bucket = layout.buckets[0]
     shard = torch.full((bucket.shard_numel,), float(comm.rank + 1), device="cuda")
     out = torch.zeros(bucket.padded_numel, device="cuda")
+    out.ne(0).all().item()
+    torch.cuda._sleep(1)
+    torch.cuda.synchronize()
     pending = all_gather_bucket(comm, bucket, shard, out=out, streams=SlowStreams(out.device))
     early = out.ne(0).all().item()  # on the compute stream, which nothing made wait
     late = pending.wait().ne(0).all().item()
@@ -99,8 +104,11 @@ def cuda_missing_wait_body(comm: Any) -> tuple[bool, bool]:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_slow_cuda_streams_expose_a_missing_wait() -> None:
-    (early, late), = fzero.SimWorld(1).run(cuda_missing_wait_body)
+def test_slow_cuda_streams_expose_a_missing_wait(bare_env: pytest.MonkeyPatch) -> None:
+    """Over NCCL, whose collectives follow the issuing stream (a `SimWorld` rank's run on its
+    executor thread's default stream, so it cannot show stream ordering)."""
+    with fzero.distributed(backend="nccl") as comm:
+        early, late = cuda_missing_wait_body(comm)
     assert late
     assert not early, "a read before wait() saw the gathered data: SlowStreams proves nothing"
 
@@ -109,9 +117,9 @@ def test_slow_cuda_streams_expose_a_missing_wait() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("slow", [False, True], ids=["streams", "slow_streams"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_parity_on_cuda_side_streams(stage: int, slow: bool) -> None:
-    """One rank on the GPU: collectives on the CUDA side streams (delayed by a GPU sleep before
-    each, with ``slow``), parity with torch.optim."""
+def test_parity_on_cuda_side_streams(bare_env: pytest.MonkeyPatch, stage: int, slow: bool) -> None:
+    """One rank on the GPU, over NCCL: collectives on the CUDA side streams (delayed by a GPU
+    sleep before each, with ``slow``), parity with torch.optim."""
     batches, ref = reference()
 
     def body(comm: Any) -> Any:
@@ -126,7 +134,8 @@ def test_parity_on_cuda_side_streams(stage: int, slow: bool) -> None:
             losses.append(metrics["loss"])
         return losses, {k: v.cpu() for k, v in fzero.full_params(state).items()}
 
-    (losses, params), = fzero.SimWorld(1).run(body)
+    with fzero.distributed(backend="nccl") as comm:
+        losses, params = body(comm)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), rtol=1e-4,
                                atol=1e-5)
     for name, value in ref.params.items():
