@@ -181,23 +181,33 @@ class Pending:
     Waiting twice is harmless; the second call returns at once.
     """
 
-    __slots__ = ("_event", "_output", "_work")
+    __slots__ = ("_event", "_output", "_work", "_host_done")
 
     def __init__(self, output: Tensor, work: Work | None, event: Any | None) -> None:
         self._output = output
         self._work = work
         self._event = event
+        self._host_done = False
 
     def wait_host(self) -> None:
         """Block until the collective is done on the host (not the stream part of `wait`);
         may run on another thread, once."""
-        if self._work is not None:
+        if self._work is not None and not self._host_done:
             self._work.wait()
-            self._work = None
+            self._host_done = True
 
     def wait(self) -> Tensor:
-        """Block (CPU) or make the current stream wait (CUDA) until the output is ready."""
-        self.wait_host()
+        """Block (CPU) or make the current stream wait (CUDA) until the output is ready.
+
+        The work is waited for on this thread even when `wait_host` ran on another: a CUDA
+        collective's `wait()` (NCCL without a timeout) orders the stream current on the thread
+        that calls it, so a wait on a helper thread ordered that thread's stream only, and a
+        step running on a stream of the user's own would read the output unordered. Waiting
+        again for a finished collective returns at once.
+        """
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
         if self._event is not None:
             stream = torch.cuda.current_stream(self._output.device)
             stream.wait_event(self._event)
@@ -207,7 +217,7 @@ class Pending:
 
     def is_completed(self) -> bool:
         """Whether `wait()` would return without blocking the host (never blocks)."""
-        return self._work is None or bool(self._work.is_completed())
+        return self._work is None or self._host_done or bool(self._work.is_completed())
 
 
 def launch(

@@ -28,7 +28,7 @@ from torch import Tensor
 
 import fzero
 import fzero.testing as testing
-from fzero.collect import Streams, collectives
+from fzero.collect import Pending, Streams, collectives
 from fzero.comm import ring_bytes
 from fzero.layout import ShardLayout
 from fzero.simworld import SimWorld, SimWorldError
@@ -707,6 +707,36 @@ def test_gloo_layout_mismatch_raises_on_every_rank(gloo_pool: Any) -> None:
 def test_no_side_streams_off_cuda() -> None:
     assert Streams.for_device("cpu") is None
     assert Streams.for_device(torch.device("meta")) is None
+
+
+class ThreadRecordingWork:
+    """A finished `Work` that records the thread of each `wait()`."""
+
+    def __init__(self) -> None:
+        self.waited_on: list[str] = []
+
+    def wait(self) -> None:
+        self.waited_on.append(threading.current_thread().name)
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def test_pending_waits_on_the_thread_that_uses_the_output() -> None:
+    """A reduction waited for on the host by a helper thread (stage 3's patience) is waited for
+    again by `wait()` on the thread that reads it: on CUDA only that orders the reader's stream
+    (NCCL's `wait()` orders the stream current on its caller's thread)."""
+    work = ThreadRecordingWork()
+    pending = Pending(torch.zeros(3), work, None)
+    helper = threading.Thread(target=pending.wait_host, name="helper")
+    helper.start()
+    helper.join()
+    assert pending.is_completed() and work.waited_on == ["helper"]
+    pending.wait_host()  # once on the host is enough
+    assert work.waited_on == ["helper"]
+    pending.wait()
+    pending.wait()  # twice is harmless
+    assert work.waited_on == ["helper", threading.current_thread().name]
 
 
 @pytest.mark.cuda

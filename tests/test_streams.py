@@ -115,11 +115,16 @@ def test_slow_cuda_streams_expose_a_missing_wait(bare_env: pytest.MonkeyPatch) -
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("own_stream", [False, True], ids=["default_stream", "own_stream"])
 @pytest.mark.parametrize("slow", [False, True], ids=["streams", "slow_streams"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_parity_on_cuda_side_streams(bare_env: pytest.MonkeyPatch, stage: int, slow: bool) -> None:
+def test_parity_on_cuda_side_streams(
+    bare_env: pytest.MonkeyPatch, stage: int, slow: bool, own_stream: bool
+) -> None:
     """One rank on the GPU, over NCCL: collectives on the CUDA side streams (delayed by a GPU
-    sleep before each, with ``slow``), parity with torch.optim."""
+    sleep before each, with ``slow``), parity with torch.optim; with ``own_stream`` the steps
+    run on a stream of the caller's own, which every wait must order (stage 3 waits for its
+    reductions on a helper thread, whose wait orders that thread's stream only)."""
     batches, ref = reference()
 
     def body(comm: Any) -> Any:
@@ -135,7 +140,8 @@ def test_parity_on_cuda_side_streams(bare_env: pytest.MonkeyPatch, stage: int, s
         return losses, {k: v.cpu() for k, v in fzero.full_params(state).items()}
 
     with fzero.distributed(backend="nccl") as comm:
-        losses, params = body(comm)
+        with torch.cuda.stream(torch.cuda.Stream() if own_stream else torch.cuda.current_stream()):
+            losses, params = body(comm)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), rtol=1e-4,
                                atol=1e-5)
     for name, value in ref.params.items():
