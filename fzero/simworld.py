@@ -16,6 +16,9 @@ and byte accounting from `CommBase`, so counters and error messages are those of
 - `async_op=True` really is asynchronous: each rank has a one-thread executor running its
   collectives in issue order; `wait()` blocks on it. Synchronous calls go through the same
   executor, so they are ordered after pending async ones as in torch.distributed.
+- Streams are not simulated: a collective on CUDA tensors runs on its executor thread's current
+  stream (the device's default stream), not on the stream it was issued from, so a rank that
+  reads an output without waiting may still see it filled. Test stream ordering over NCCL.
 - Failure: the first exception on any rank aborts the world; collectives pending on the other
   ranks raise at once, and `run` raises `SimWorldError` naming the failing rank, chained to the
   original. A collective that a rank finished without joining fails at once; one that a live rank
