@@ -133,7 +133,8 @@ class Binder:
 
 
 _RUNNING = "_fzero_step_running"
-"""The key a step sets in the module's ``__dict__`` while it runs on it (`claim`)."""
+"""The prefix of the key a step sets in the module's ``__dict__`` while it runs on it
+(`claim`)."""
 
 
 def claim(model: nn.Module, what: str) -> Callable[[], None]:
@@ -143,18 +144,22 @@ def claim(model: nn.Module, what: str) -> Callable[[], None]:
     modules; two steps running on one module object at once (SimWorld ranks or threads
     sharing it) would read each other's tensors and leave one in the module, silently.
 
+    The key names the module object (its ``id``): a ``copy.deepcopy(model)`` taken while a step
+    runs (inside a loss function, say) carries the key, and it must not make the copy look
+    busy for ever.
+
     Raises:
         ValueError: another step runs on `model` now.
     """
-    token = object()
-    if model.__dict__.setdefault(_RUNNING, token) is not token:  # atomic: one dict operation
+    key, token = f"{_RUNNING}_{id(model):x}", object()
+    if model.__dict__.setdefault(key, token) is not token:  # atomic: one dict operation
         raise ValueError(
             f"{what}: another step is running on this nn.Module object right now (SimWorld "
             f"ranks or threads that share one model): each step binds its state's tensors "
             f"into the module, so they would read each other's. Give each rank its own "
             f"module (SimWorld.run(fn, model) passes each rank a copy)"
         )
-    return lambda: model.__dict__.pop(_RUNNING, None)
+    return lambda: model.__dict__.pop(key, None)
 
 
 def same_values(tensor: Tensor, reference: Tensor) -> bool:

@@ -3,6 +3,8 @@ it; `fzero.clone_state` keeps a copy on purpose, views of one storage staying vi
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -122,6 +124,29 @@ def test_a_step_on_a_module_another_step_runs_on_raises(stage: int) -> None:
             step(state, [t[:0] for t in batch])
         evaluate(state, batch)
         state, _ = step(state, batch)
-        return state.step, vars(model).get("_fzero_step_running")
+        return state.step, [key for key in vars(model) if key.startswith("_fzero_step")]
 
-    assert fzero.SimWorld(1).run(body) == [(1, None)]
+    assert fzero.SimWorld(1).run(body) == [(1, [])]
+
+
+def test_a_module_copied_during_a_step_trains_in_a_step_of_its_own() -> None:
+    """A loss function that deep-copies the module (a teacher or EMA snapshot) copies the key
+    the running step set in its ``__dict__``: the copy must not look busy for ever."""
+    copies = []
+
+    def loss_fn(call, batch):
+        if not copies:
+            copies.append(copy.deepcopy(call.__self__))  # call: the module's __call__
+        return gb.mse_loss(call, batch)
+
+    def body(comm):
+        model = gb.MLP64()
+        batch = gb.mse_batches(1, rows=2)[0]
+        state = fzero.init(model, stage=1, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        state, _ = fzero.make_train_step(model, loss_fn)(state, batch)
+        twin, = copies
+        twin_state = fzero.init(twin, stage=1, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        twin_state, _ = fzero.make_train_step(twin, gb.mse_loss)(twin_state, batch)
+        return state.step, twin_state.step
+
+    assert fzero.SimWorld(1).run(body) == [(1, 1)]
