@@ -52,6 +52,7 @@ __all__ = [
     "check_dtypes",
     "check_finite",
     "check_live",
+    "check_optimizer_dtype",
     "check_reduce_dtype",
     "clone_state",
     "init",
@@ -190,6 +191,21 @@ def check_reduce_dtype(reduce_dtype: torch.dtype | None, layout: ShardLayout) ->
             "only they get a loss scale, and without one gradients below float16's range "
             "(6e-8) would reduce to zero silently; use torch.bfloat16 to halve the reduction's "
             "bytes"
+        )
+
+
+def check_optimizer_dtype(optimizer: Optimizer, master_dtype: torch.dtype) -> None:
+    """Raise if the optimizer's ``eps`` is zero in `master_dtype`, where its update runs (Adam's
+    default 1e-8 in float16): Adam divides by ``sqrt(v) + eps``, so an element whose gradient is
+    exactly zero would update to 0/0 = NaN while the step reports success."""
+    eps = dict(optimizer.spec.hyperparameters).get("eps") if optimizer.spec else None
+    if eps and not torch.tensor(eps, dtype=master_dtype):
+        tiny = torch.finfo(master_dtype).smallest_normal
+        raise ValueError(
+            f"{optimizer.spec.name}'s eps={eps:g} is 0 in master_dtype={master_dtype} (its "
+            f"smallest normal number is {tiny:g}): an element whose gradient is exactly zero "
+            f"would update to 0/0 = NaN. Keep a float32 master (the default), or pass "
+            f"eps >= {tiny:g}"
         )
 
 
@@ -451,6 +467,7 @@ def init(
     if master_dtype is None:
         master_dtype = _default_master_dtype(source_layout, layout)
     check_reduce_dtype(reduce_dtype, layout)
+    check_optimizer_dtype(optimizer, master_dtype)
     fingerprint_check(comm, layout.fingerprint, "layout fingerprint (parameter names, shapes "
                       "and dtypes)")
     module_buffers = dict(model.named_buffers()) if isinstance(model, nn.Module) else {}

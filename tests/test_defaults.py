@@ -59,6 +59,18 @@ def test_param_dtype_float64_of_a_float32_model_gets_a_float64_master() -> None:
                                        gb.torch_adamw))
 
 
+@pytest.mark.parametrize("opt", [("adamw", {**gb.ADAMW, "eps": 1e-4}), ("sgd", {"lr": 0.1})],
+                         ids=["adamw_eps_1e-4", "sgd"])
+def test_a_float16_master_trains_with_an_eps_it_can_hold(opt) -> None:
+    """``master_dtype=torch.float16`` with Adam's default eps=1e-8 raises at init (0 in float16:
+    the bad-input table); an eps float16 holds, or SGD's update without one, trains finite."""
+    out = fzero.SimWorld(2).run(gb.train, gb.MLP64(dtype=torch.float32), gb.mse_loss,
+                                gb.mse_batches(STEPS, dtype=torch.float32), stage=1, opt=opt,
+                                init_kwargs={"master_dtype": torch.float16})[0]
+    assert out["master_dtype"] == torch.float16 and out["step"] == STEPS
+    assert all(torch.isfinite(p).all() for p in out["params"].values())
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_decay_matrices_is_torchs_two_param_groups(stage: int) -> None:
     want = mlp_reference(gb.torch_adamw_two_groups)

@@ -28,7 +28,14 @@ from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite
 from fzero.layout import ShardLayout, _parse_dtype, flatten_names, plan
 from fzero.optim import Optimizer, OptimizerSpec, from_spec
-from fzero.state import STAGES, ShardState, check_dtypes, check_reduce_dtype, state_device
+from fzero.state import (
+    STAGES,
+    ShardState,
+    check_dtypes,
+    check_optimizer_dtype,
+    check_reduce_dtype,
+    state_device,
+)
 
 __all__ = ["Reader", "load"]
 
@@ -109,6 +116,7 @@ def load(
                      weights_only)
     check_reduce_dtype(reduce_dtype, layout)
     optimizer = _optimizer(path, manifest, optimizer, weights_only)
+    check_optimizer_dtype(optimizer, master_dtype)
     buffer_names = _check_buffers(path, manifest, model)
     fingerprint_check(comm, layout.fingerprint, "layout fingerprint (parameter names, shapes "
                       "and dtypes)")
