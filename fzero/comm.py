@@ -80,7 +80,10 @@ class Work(Protocol):
     """Handle of an asynchronous collective (`async_op=True`).
 
     The results are in the caller's tensors once `wait()` has returned (on CUDA: once the
-    current stream reaches the point where `wait()` was called).
+    current stream reaches the point where `wait()` was called). `wait()` may be called again,
+    also from another thread: it then returns at once on the host, and on CUDA orders the
+    calling thread's current stream as the first call did (`fzero.collect.Pending` waits on a
+    helper thread first, then on the thread that reads the output).
     """
 
     def wait(self) -> None:

@@ -66,25 +66,40 @@ def _reduce_op(op: str) -> Any:
 
 class _TorchWork:
     """Torch `Work`s (one or several) whose `wait()` returns None, then runs an optional
-    epilogue once."""
+    epilogue once.
 
-    __slots__ = ("_works", "_timeout", "_then")
+    The first `wait()` waits for the works on the host (within the timeout, if any) and runs the
+    epilogue. A later one does not wait on the host again (gloo's point-to-point works would
+    wait for a second message that never comes); on NCCL (``streams``) it makes the calling
+    thread's current stream wait for the works, as NCCL's own `wait()` without a timeout does,
+    so a thread other than the first waiter may read the results."""
+
+    __slots__ = ("_works", "_timeout", "_then", "_streams", "_done")
 
     def __init__(
-        self, work: Any, timeout: timedelta | None, then: Callable[[], object] | None
+        self, work: Any, timeout: timedelta | None, then: Callable[[], object] | None,
+        streams: bool = False,
     ) -> None:
         self._works = work if isinstance(work, list) else [work]
         self._timeout = timeout
         self._then = then
+        self._streams = streams
+        self._done = False
 
     def wait(self) -> None:
+        if self._done:
+            if self._streams:
+                for work in self._works:
+                    work.wait()  # no timeout: NCCL orders the current stream, no host wait
+            return
         wait_all(self._works, self._timeout)
+        self._done = True
         then, self._then = self._then, None
         if then is not None:
             then()
 
     def is_completed(self) -> bool:
-        return all(bool(work.is_completed()) for work in self._works)
+        return self._done or all(bool(work.is_completed()) for work in self._works)
 
 
 def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
@@ -204,7 +219,7 @@ class TorchComm(CommBase):
         then: Callable[[], object] | None = None,
     ) -> Work | None:
         if async_op or self.timeout is not None or self.transport != "single":
-            work = _TorchWork(start(True), self.timeout, then)
+            work = _TorchWork(start(True), self.timeout, then, self.device.type == "cuda")
             if async_op:
                 return work
             work.wait()

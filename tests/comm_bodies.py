@@ -167,6 +167,36 @@ def every_collective_by_transport_body(comm: Comm, inputs: list[Tensor]) -> dict
     return {t: every_collective_body(TorchComm(transport=t), inputs) for t in TRANSPORTS}
 
 
+def wait_again_body(comm: Comm, inputs: list[Tensor]) -> dict[str, Any]:
+    """Per transport and timeout: async collectives waited for on a helper thread, then again
+    on this thread (as `fzero.collect.Pending` does); whether the second waits returned within
+    10 s, and the results."""
+    import threading
+    from datetime import timedelta
+
+    from fzero.torchcomm import TRANSPORTS
+
+    out: dict[str, Any] = {}
+    mine = inputs[comm.rank]
+    for transport in TRANSPORTS:
+        for timeout in (None, timedelta(seconds=60)):
+            tc = TorchComm(transport=transport, timeout=timeout, shm_min_bytes=0)
+            gathered = torch.empty(mine.numel() * comm.world_size, dtype=mine.dtype)
+            shard = torch.empty(mine.numel() // comm.world_size, dtype=mine.dtype)
+            works = [tc.all_gather(gathered, mine.clone(), async_op=True),
+                     tc.reduce_scatter(shard, mine.clone(), op="sum", async_op=True)]
+            for work in works:
+                helper = threading.Thread(target=work.wait)
+                helper.start()
+                helper.join()
+            again = threading.Thread(target=lambda ws: [w.wait() for w in ws], args=(works,),
+                                     daemon=True)
+            again.start()
+            again.join(10.0)
+            out[f"{transport}/{timeout}"] = (not again.is_alive(), gathered, shard)
+    return out
+
+
 def bad_transport_body(comm: Comm) -> None:
     from fzero.torchcomm import TorchComm
 

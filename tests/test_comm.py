@@ -566,6 +566,22 @@ def test_gloo_every_collective(gloo_pool: Any, n: int, dtype: torch.dtype) -> No
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_gloo_works_waited_for_again_return_at_once(gloo_pool: Any, n: int) -> None:
+    """Stage 3 waits for a reduction on a helper thread, then again on the thread that reads
+    it: the second wait must return at once, with every transport and timeout (a second wait
+    on gloo's point-to-point works waited for a message that never came: stage 3 over
+    ``transport="shm"`` hung)."""
+    inputs = cb.make_inputs(n, n * SHARD, torch.float32)
+    for r, res in enumerate(gloo_pool(n).run(cb.wait_again_body, inputs)):
+        assert len(res) == 6, res.keys()
+        for key, (returned, gathered, shard) in res.items():
+            assert returned, f"rank {r}: a second wait() hung ({key})"
+            exact(gathered, torch.cat(inputs))
+            torch.testing.assert_close(shard, ref_reduce_scatter(inputs, "sum", r), rtol=0,
+                                       atol=order_tolerance(inputs, "sum"))  # gloo's ring order
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_gloo_transports_agree(gloo_pool: Any, n: int) -> None:
     """Pairwise sends (gloo's default) and the single-tensor collectives: the same results
     (bitwise at 2 ranks, one addition; pairwise always sums in rank order) and the same
