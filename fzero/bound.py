@@ -38,7 +38,7 @@ from torch.func import functional_call
 
 from fzero.layout import ShardLayout
 
-__all__ = ["Binder", "ModuleVersions", "buffers_fingerprint", "check_buffers",
+__all__ = ["Binder", "ModuleVersions", "buffer_aliases", "buffers_fingerprint", "check_buffers",
            "check_structure", "claim", "module_versions", "requires_grad_flags",
            "same_values"]
 
@@ -256,23 +256,43 @@ def check_structure(
                 )
 
 
-def check_buffers(model: nn.Module, buffers: Mapping[str, Tensor]) -> None:
+def buffer_aliases(model: nn.Module | Mapping[str, Tensor]) -> tuple[tuple[str, str], ...]:
+    """``(alias, name)`` for each further name of a buffer registered under several (one tensor
+    in two submodules): `name` is the one ``named_buffers()`` reports, which the state keeps.
+    A step binds every alias to the state's tensor of its name, as torch's modules share it."""
+    if not isinstance(model, nn.Module):
+        return ()
+    first: dict[int, str] = {}
+    pairs = []
+    for name, tensor in model.named_buffers(remove_duplicate=False):
+        owner = first.setdefault(id(tensor), name)
+        if owner != name:
+            pairs.append((name, owner))
+    return tuple(pairs)
+
+
+def check_buffers(
+    model: nn.Module, buffers: Mapping[str, Tensor], aliases: Sequence[tuple[str, str]] = (),
+) -> None:
     """Raise if `model`'s buffers are not the state's `buffers` (names and shapes).
 
     The dtypes may differ: ``fzero.init(param_dtype=...)`` casts the state's floating buffers
-    as ``model.to(param_dtype)`` would, and leaves the module alone.
+    as ``model.to(param_dtype)`` would, and leaves the module alone. A name in `aliases`
+    (`buffer_aliases`) is the state's buffer of its other name, also when the module now holds
+    it as a tensor of its own (``model.to("meta")`` gives each name its own).
 
     Raises:
         ValueError: naming the buffers only in the state, only in the model, and the shapes
             that differ.
     """
     named = dict(model.named_buffers())
+    owner = dict(aliases)
     missing = sorted(set(buffers) - set(named))
-    extra = sorted(set(named) - set(buffers))
+    extra = sorted(n for n in named if owner.get(n, n) not in buffers)
     wrong = sorted(
-        f"{name}: state {tuple(buffers[name].shape)} vs model {tuple(t.shape)}"
+        f"{name}: state {tuple(buffers[owner.get(name, name)].shape)} vs model {tuple(t.shape)}"
         for name, t in named.items()
-        if name in buffers and t.shape != buffers[name].shape
+        if owner.get(name, name) in buffers and t.shape != buffers[owner.get(name, name)].shape
     )
     if missing or extra or wrong:
         raise ValueError(

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from fzero import memory
 from fzero.bound import (
     ModuleVersions,
+    buffer_aliases,
     buffers_fingerprint,
     module_versions,
     requires_grad_flags,
@@ -112,6 +113,9 @@ class ShardConfig:
     # The module's own tensors' version counters then: a step raises if one was written since
     # with values other than the state's (they would be ignored: `fzero.bound.ModuleVersions`).
     module_versions: ModuleVersions | None = field(default=None, compare=False, repr=False)
+    # ``(alias, name)`` for each buffer the module registered under several names
+    # (`fzero.bound.buffer_aliases`): a step binds the alias to the state's buffer `name`.
+    buffer_aliases: tuple[tuple[str, str], ...] = ()
 
 
 class Lease:
@@ -514,7 +518,8 @@ def init(
     taken = ([*params, *buffers.values()] if comm.rank == 0 and init_fn is None and load is None
              else [])
     config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device,
-                         requires_grad_flags(model), module_versions(model, taken_into=taken))
+                         requires_grad_flags(model), module_versions(model, taken_into=taken),
+                         buffer_aliases(model))
     float16 = any(b.trainable and b.torch_dtype == torch.float16 for b in layout.buckets)
     loss_scale = LossScale() if float16 else None  # however the model got to float16
     return ShardState(

@@ -1148,6 +1148,9 @@ def _bindings(
             for name in entry.names:
                 named[name] = leaf
     named.update(buffers)
+    for alias, name in state.config.buffer_aliases:  # one tensor in two submodules
+        if name in buffers:
+            named[alias] = buffers[name]
     return named
 
 
@@ -1213,7 +1216,7 @@ def _check_model(
     """Raise if `model` is not the one `state` was built for (parameters, ties, buffers; and
     given `requires_grad`, the flags it was built with)."""
     check_structure(model, state.layout, requires_grad=requires_grad)
-    check_buffers(model, state.buffers)
+    check_buffers(model, state.buffers, state.config.buffer_aliases)
     _check_module_writes(model, state)
 
 
@@ -1232,10 +1235,11 @@ def _check_module_writes(model: nn.Module, state: ShardState) -> None:
         versions.verified()
         return
     located = state.layout.locate()
+    owner = dict(state.config.buffer_aliases)
     converted = {}
     for name, tensor in written.items():
         now, before = (tensor.dtype, tensor.device), versions.kind(name)
-        if now not in (before, _state_kind(state, name, located)):
+        if now not in (before, _state_kind(state, owner.get(name, name), located)):
             converted[name] = f"{before[0]} on {before[1]} -> {now[0]} on {now[1]}"
     if converted:
         raise ValueError(
@@ -1253,7 +1257,7 @@ def _check_module_writes(model: nn.Module, state: ShardState) -> None:
     differ = []
     for names in by_tensor.values():
         tensor = written[names[0]]
-        known = [n for n in names if n in located or n in state.buffers]
+        known = [owner.get(n, n) for n in names if n in located or owner.get(n, n) in state.buffers]
         if not known or not _holds_state_values(state, known[0], tensor.detach()):
             differ += names
     if differ:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import Tensor, nn
 
 import fzero
 
@@ -296,3 +297,78 @@ def test_a_non_contiguous_buffer_is_taken(stage: int) -> None:
     want = torch.arange(9.0).reshape(3, 3).t()
     for mix, loss in fzero.SimWorld(2).run(_transposed_body, stage):
         assert torch.equal(mix, want) and loss > 0
+
+
+class _Counts(nn.Module):
+    def __init__(self, count: Tensor) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 6, dtype=torch.float64)
+        self.register_buffer("count", count)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.count.add_(1.0)  # in place: every holder of the tensor sees it
+        return torch.tanh(self.fc(x))
+
+
+class _ReadsCount(nn.Module):
+    def __init__(self, count: Tensor) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3, dtype=torch.float64)
+        self.register_buffer("count", count)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x + 0.1 * self.count)
+
+
+class SharedCount(nn.Module):
+    """One buffer tensor registered in two submodules (``a.count is b.count``): `a` counts its
+    calls in place, `b` reads the count, as torch's modules share the tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        count = torch.zeros(6, dtype=torch.float64)
+        self.a, self.b = _Counts(count), _ReadsCount(count)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_buffer_of_two_submodules_is_one_tensor_as_in_torch(stage: int, world: int) -> None:
+    """`b` reads the count `a` updated (it read the module's own, never-updated tensor: the
+    losses were 0.1-1 off torch's); also with the module moved to meta after init, which gives
+    each name a tensor of its own."""
+    model = SharedCount()
+    assert model.a.count is model.b.count
+    batches = gb.mse_batches(STEPS, rows=4 * world, d_in=5, d_out=3)
+    want = gb.reference(model, gb.mse_loss, batches, gb.torch_sgd)
+    for after_init in (None, lambda m: m.to("meta")):
+        outs = fzero.SimWorld(world).run(gb.train, model, gb.mse_loss, batches, stage=stage,
+                                         opt=("sgd", gb.SGD), after_init=after_init)
+        for out in outs:
+            gb.assert_parity(out, want)
+            assert list(out["buffers"]) == ["a.count"]
+            assert out["buffers"]["a.count"].eq(STEPS).all()
+
+
+def test_a_loaded_state_binds_a_buffer_of_two_submodules_as_one(tmp_path) -> None:
+    """`fzero.load` finds the buffer's second name in the model it is given, as init does."""
+    batches = gb.mse_batches(2, rows=4, d_in=5, d_out=3)
+
+    def body(comm: Any) -> Any:
+        model = SharedCount()
+        step = fzero.make_train_step(model, gb.mse_loss)
+        state = fzero.init(model, stage=1, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+        state, _ = step(state, batches[0])
+        fzero.save(state, str(tmp_path / "c"))
+        state, through = step(state, batches[1])
+        fresh = SharedCount()
+        loaded = fzero.load(str(tmp_path / "c"), model=fresh, comm=comm)
+        _, resumed = fzero.make_train_step(fresh, gb.mse_loss)(loaded, batches[1])
+        return through["loss"], resumed["loss"]
+
+    (through, resumed), = fzero.SimWorld(1).run(body)
+    want = gb.reference(SharedCount(), gb.mse_loss, batches, gb.torch_sgd).losses[1]
+    assert through == resumed == pytest.approx(want, rel=0, abs=gb.F64_ATOL)

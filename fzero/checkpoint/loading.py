@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fzero.bound import module_versions, requires_grad_flags
+from fzero.bound import buffer_aliases, module_versions, requires_grad_flags
 from fzero.checkpoint import record
 from fzero.checkpoint.files import ShardFile
 from fzero.checkpoint.manifest import CheckpointError, Manifest, read_manifest
@@ -135,6 +135,7 @@ def load(
             fresh_optimizer=weights_only,
             requires_grad=requires_grad_flags(model),
             module_versions=module_versions(model),
+            buffer_aliases=buffer_aliases(model),
         )
         if restore_rng and manifest.world_size == comm.world_size:
             reader.restore_rng(comm.rank, device)

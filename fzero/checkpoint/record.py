@@ -183,6 +183,7 @@ def build(
     fresh_optimizer: bool,
     requires_grad: tuple[tuple[str, bool], ...] | None = None,
     module_versions: ModuleVersions | None = None,
+    buffer_aliases: tuple[tuple[str, str], ...] = (),
 ) -> ShardState:
     """The state a load returns: tensors allocated as `fzero.init` lays them out for `stage`
     (see `fzero.state`'s table), values from `fill`, the rest from `record`.
@@ -261,7 +262,7 @@ def build(
             value = value.to(param_dtype)  # as init casts them
         values[name] = value
     config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device,
-                         requires_grad, module_versions)
+                         requires_grad, module_versions, buffer_aliases)
     return ShardState(
         layout=layout,
         stage=stage,
