@@ -277,6 +277,8 @@ class Reducer:
                     piece = flat[entry.offset : entry.end]
                     if leaf.grad is None or zero:
                         piece.zero_()
+                    elif leaf.grad.is_sparse:  # nn.Embedding(sparse=True): its dense values,
+                        piece.view(entry.shape).copy_(leaf.grad.to_dense())  # as stages 0-1 add
                     else:
                         piece.view(entry.shape).copy_(leaf.grad)
                     leaf.grad = None

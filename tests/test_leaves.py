@@ -205,3 +205,36 @@ def test_what_a_step_leaves_on_the_leaves_does_not_reach_the_next(stage: int) ->
     plain = fzero.SimWorld(1).run(plain_body)
     for run in (with_stray, without):
         assert all(torch.equal(a, b) for a, b in zip(run[0], plain[0], strict=True))
+
+
+class SparseEmbedding(torch.nn.Module):
+    """An embedding with sparse gradients (``sparse=True``) under a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(7, 4, sparse=True, dtype=torch.float64)
+        self.head = torch.nn.Linear(4, 1, dtype=torch.float64)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.embed(tokens)).squeeze(-1).mean(-1)
+
+
+def sparse_loss(call: Callable[..., Tensor], batch: Any) -> Tensor:
+    tokens, target = batch
+    return ((call(tokens) - target) ** 2).mean()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_sparse_gradient_trains_as_its_dense_values(stage: int) -> None:
+    """``nn.Embedding(sparse=True)`` gives its weight a sparse gradient: every stage reduces its
+    dense values, as torch.optim.SGD applies them (stages 2-3 copied it into the bucket with
+    ``copy_``, which raised "copy_() between dense and sparse Tensors")."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 7, (4, 3), generator=gen),
+                torch.randn(4, dtype=torch.float64, generator=gen)) for _ in range(3)]
+    want = gb.reference(SparseEmbedding(), sparse_loss, batches,
+                        lambda params: torch.optim.SGD(params, lr=0.1))
+    for out in fzero.SimWorld(2).run(gb.train, SparseEmbedding(), sparse_loss, batches,
+                                     stage=stage, opt=("sgd", {"lr": 0.1})):
+        gb.assert_parity(out, want)
