@@ -35,8 +35,10 @@ does) is seen by `guard`, a torch function mode active through the step's forwar
 a torch function given a parameter of a released bucket first gathers that bucket (a `need`,
 like any other, so every rank's collectives still agree). A released bucket's storage has zero
 bytes and torch does not check every read of it: without the guard such a read would return
-garbage or crash. A read the guard cannot see (a view taken earlier and kept) raises
-`OutsideOwnerError`, naming the module and the candidates, instead of torch's message. The mode
+garbage or crash. A view of a parameter (``w[0]``, ``w.T``) counts as the parameter: the guard
+finds it through its ``_base``. A read the guard cannot see (a detached alias, ``.detach()`` or
+``.data``, taken earlier and kept) raises `OutsideOwnerError` where torch notices the released
+storage, naming the module and the candidates, instead of torch's message. The mode
 costs a Python round trip per torch call, so it is entered around the user's forward and
 backward only, and fzero's own hooks inside them (module hooks, saved-tensor hooks, the gradient
 hooks that launch reductions) run `unguarded`: they read parameters knowingly.
@@ -573,10 +575,10 @@ class Residency:
             f"the root module ({type(reader).__name__}) or code outside any module")
         return OutsideOwnerError(
             f"stage 3: {where} read a parameter of a bucket that was released, through a path "
-            f"fzero does not see (a view or detached copy of it taken earlier and kept); it is "
-            f"one of {candidates[:8]}{' ...' if len(candidates) > 8 else ''}. Read the "
-            f"parameter itself where you need it (any torch function given a parameter gathers "
-            f"its bucket first), or keep such views only within one module's forward."
+            f"fzero does not see (a .detach() or .data alias of it taken earlier and kept); it "
+            f"is one of {candidates[:8]}{' ...' if len(candidates) > 8 else ''}. Read the "
+            f"parameter itself, or a view of it, where you need it (any torch function given "
+            f"one gathers its bucket first), or keep such aliases within one module's forward."
         )
 
 
@@ -617,6 +619,8 @@ class _Guard(TorchFunctionMode):
             for value in (*args, *kwargs.values()):
                 for item in value if isinstance(value, list | tuple) else (value,):
                     index = bucket_of.get(id(item))
+                    if index is None and isinstance(item, Tensor) and item._base is not None:
+                        index = bucket_of.get(id(item._base))  # a view of a parameter, kept
                     if index is not None:
                         residency.read(index)
                     elif residency.inflight and isinstance(item, Tensor):

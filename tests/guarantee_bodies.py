@@ -412,25 +412,46 @@ class RootReadsChild(nn.Module):
 
 
 class KeepsAView(nn.Module):
-    """``child``'s forward keeps a transposed view of its weight; the root uses it after
-    ``other`` ran (so ``child``'s bucket, alone, was released in between)."""
+    """``child``'s forward keeps a transposed view of its weight (``detach``: a detached one);
+    the root uses it after ``other`` ran (so ``child``'s bucket, alone, was released in
+    between)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, detach: bool = False):
         super().__init__()
         with seeded(seed):
             self.child = _ViewKeeper(5, 5)
             self.other = nn.Linear(5, 5)
+        self.child.detach = detach
         self.double()
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.child(x)
         h = torch.tanh(self.other(h))
-        return h @ self.child.kept  # read through the stale view: fzero cannot see it
+        return h @ self.child.kept  # a view is traced to its parameter; a detached one is not
+
+
+class KeepsARow(nn.Module):
+    """Keeps a row of ``a.weight`` (a view) across ``b``'s forward, then reads it
+    elementwise (no check of torch's that a released storage would fail)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        with seeded(seed):
+            self.a = nn.Linear(5, 5)
+            self.b = nn.Linear(5, 5)
+        self.double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        row = self.a.weight[0]
+        return self.b(torch.tanh(self.a(x))) + (row * 2.0).sum()
 
 
 class _ViewKeeper(nn.Linear):
+    detach = False
+
     def forward(self, x: Tensor) -> Tensor:
-        self.kept = self.weight.T  # a view, taken while the bucket is gathered
+        kept = self.weight.T  # a view, taken while the bucket is gathered
+        self.kept = kept.detach() if self.detach else kept
         return super().forward(x)
 
 

@@ -106,10 +106,23 @@ def test_a_parameter_read_outside_its_owner_on_gloo(gloo_pool: Any) -> None:
     gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, data))
 
 
-def test_a_view_kept_across_modules_names_the_reader() -> None:
-    """A read the guard cannot see (a view of a parameter taken while its bucket was gathered
-    and used after the bucket was released) raises OutsideOwnerError, not garbage."""
-    model = gb.KeepsAView()
+@pytest.mark.parametrize("read", ["matmul", "elementwise"])
+def test_a_view_kept_across_modules_is_gathered_again(gloo_pool: Any, read: str) -> None:
+    """A view of a parameter taken while its bucket was gathered and used after the bucket was
+    released: the guard traces it to its parameter (``_base``) and gathers the bucket again. A
+    matmul raised OutsideOwnerError; an elementwise read read freed memory (the process
+    crashed), hence gloo workers: only they die if it comes back."""
+    model, data = (gb.KeepsAView() if read == "matmul" else gb.KeepsARow()), square(STEPS)
+    out = gloo_pool(2).run(gb.train, model, gb.mse_loss, data, stage=3,
+                           buckets=gb.each_parameter_alone(model))
+    gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, data))
+
+
+def test_a_detached_alias_kept_across_modules_names_the_reader() -> None:
+    """A read the guard cannot trace (a detached alias of a parameter, taken while its bucket
+    was gathered and used after the bucket was released) raises OutsideOwnerError, not
+    garbage."""
+    model = gb.KeepsAView(detach=True)
     outs = fzero.SimWorld(2).run(gb.train_through_failure, model, gb.mse_loss, square(1),
                                  stage=3, fail={}, buckets=gb.each_parameter_alone(model))
     for out in outs:
