@@ -888,6 +888,29 @@ def test_overwrite_replaces_only_a_checkpoint(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "run"]  # nothing partial
 
 
+def test_a_save_deletes_no_folder_of_the_users_beside_the_checkpoint(tmp_path) -> None:
+    """``<path>.partial`` (where a save writes first) and ``<path>.old`` (where overwrite=True
+    moves the old checkpoint for a moment) are deleted only when they hold nothing but a save's
+    files: a folder of the user's own under that name is kept, and every rank raises naming it
+    (overwrite=True deleted a user's ``c.old``)."""
+    from checkpoint_bodies import save_error_body
+
+    path = tmp_path / "c"
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 2, str(path), stage=3)
+    for suffix in (".partial", ".old"):
+        mine = tmp_path / f"c{suffix}"
+        mine.mkdir()
+        (mine / "notes.txt").write_text("keep me")
+        outcomes = fzero.SimWorld(2).run(save_error_body, TinyGPT(), str(path), overwrite=True)
+        assert all(kind == "CheckpointError" for kind, _ in outcomes), outcomes
+        assert f"c{suffix} holds other files" in outcomes[0][1], outcomes
+        assert (mine / "notes.txt").read_text() == "keep me"
+        assert read_manifest(str(path)).step == 2  # the checkpoint is untouched
+        (mine / "notes.txt").unlink()
+    assert sorted(os.listdir(tmp_path / "c.partial")) == [  # the new one, waiting
+        "manifest.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+
+
 def test_interrupted_save_is_ignored_and_cleaned(tmp_path) -> None:
     root = tmp_path / "run"
     for steps in (1, 3):

@@ -7,7 +7,9 @@ CRC-32 with one all-gather; only when every rank succeeded does rank 0 write the
 rename ``<path>.partial`` to ``<path>`` (with ``overwrite=True`` an existing ``<path>`` is
 renamed to ``<path>.old`` first and removed after). A crash before the rename leaves no
 ``<path>`` at all, and any earlier checkpoint untouched; `fzero.checkpoint.latest` ignores
-``*.partial`` directories. Each decision that could go differently on different ranks (rank
+``*.partial`` directories. A ``<path>.partial`` or ``<path>.old`` that holds anything but a
+save's files (the manifest, shard files) is a folder of the user's: it is never deleted, and
+the save raises naming it. Each decision that could go differently on different ranks (rank
 0's directory operations, a rank's write) is shared by a collective first, so that every rank
 raises the same error or none does. Ranks must share the filesystem (as
 ``torch.distributed.checkpoint``'s file writer assumes).
@@ -16,6 +18,7 @@ raises the same error or none does. Ranks must share the filesystem (as
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from importlib import metadata as importlib_metadata
@@ -41,6 +44,7 @@ from fzero.state import ShardState, check_live
 __all__ = ["fzero_version", "save"]
 
 _OK, _EXISTS, _FAILED, _NOT_CHECKPOINT = 0, 1, 2, 3  # rank 0's verdicts, broadcast
+_SHARD_FILE = re.compile(r"shard-\d{5}-of-\d{5}\.safetensors")
 
 
 def save(
@@ -163,6 +167,9 @@ def _prepare(path: str, partial: str, overwrite: bool) -> tuple[int, str | None]
     if os.path.lexists(path) and not (os.path.isdir(path) and not os.path.islink(path)
                                       and os.path.isfile(os.path.join(path, MANIFEST))):
         return _NOT_CHECKPOINT, None
+    if not _only_a_saves_files(partial):
+        return _FAILED, (f"{partial} holds other files than a save writes, and a save would "
+                         f"delete them (it writes there first): move it away")
     try:
         shutil.rmtree(partial, ignore_errors=True)  # an interrupted save's leftovers
         os.makedirs(partial)
@@ -180,6 +187,10 @@ def _publish(manifest: Manifest, path: str, partial: str) -> str | None:
         _fsync_dir(partial)
         if os.path.exists(path):
             old = path + ".old"
+            if not _only_a_saves_files(old):
+                return (f"cannot publish {path}: {old} holds other files than a checkpoint's, "
+                        f"and overwrite=True would delete them (it renames {path} there for a "
+                        f"moment): move it away; the new checkpoint waits in {partial}")
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
             os.rename(partial, path)
@@ -190,6 +201,17 @@ def _publish(manifest: Manifest, path: str, partial: str) -> str | None:
     except OSError as error:
         return f"cannot publish {path}: {error}"
     return None
+
+
+def _only_a_saves_files(directory: str) -> bool:
+    """Whether `directory` is absent, or a directory that holds nothing but what a save writes
+    (the manifest, shard files): the leftovers of an interrupted or superseded save, which a
+    save deletes. Anything else there (a user's own ``<path>.old``) is not deleted."""
+    if not os.path.lexists(directory):
+        return True
+    if os.path.islink(directory) or not os.path.isdir(directory):
+        return False
+    return all(name == MANIFEST or _SHARD_FILE.fullmatch(name) for name in os.listdir(directory))
 
 
 def _fsync_dir(path: str) -> None:
