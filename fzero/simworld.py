@@ -27,6 +27,9 @@ and byte accounting from `CommBase`, so counters and error messages are those of
   one for all of them. Two ranks seeding it at once (`torch.manual_seed`, `fork_rng`) race, and
   may each draw from the other's seed; draw from a per-rank `torch.Generator`, or build seeded
   models under one `threading.Lock`, or before `run` (arguments are deep-copied per rank).
+  Dropout draws from that generator too, and torch's parametrization cache
+  (`torch.nn.utils.parametrize.cached`) is process-wide: ranks using either are not
+  reproducible here; run them as gloo processes.
 """
 
 from __future__ import annotations
