@@ -299,24 +299,20 @@ def test_a_non_contiguous_buffer_is_taken(stage: int) -> None:
         assert torch.equal(mix, want) and loss > 0
 
 
-class _Counts(nn.Module):
-    def __init__(self, count: Tensor) -> None:
+class _HoldsCount(nn.Module):
+    """A Linear layer holding the buffer ``count``; `counts`: adds 1 to it in place per call
+    (every holder of the tensor sees it), else adds it to the input."""
+
+    def __init__(self, d_in: int, d_out: int, count: Tensor, counts: bool) -> None:
         super().__init__()
-        self.fc = nn.Linear(5, 6, dtype=torch.float64)
+        self.fc = nn.Linear(d_in, d_out, dtype=torch.float64)
         self.register_buffer("count", count)
+        self.counts = counts
 
     def forward(self, x: Tensor) -> Tensor:
-        self.count.add_(1.0)  # in place: every holder of the tensor sees it
-        return torch.tanh(self.fc(x))
-
-
-class _ReadsCount(nn.Module):
-    def __init__(self, count: Tensor) -> None:
-        super().__init__()
-        self.fc = nn.Linear(6, 3, dtype=torch.float64)
-        self.register_buffer("count", count)
-
-    def forward(self, x: Tensor) -> Tensor:
+        if self.counts:
+            self.count.add_(1.0)
+            return torch.tanh(self.fc(x))
         return self.fc(x + 0.1 * self.count)
 
 
@@ -328,7 +324,7 @@ class SharedCount(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         count = torch.zeros(6, dtype=torch.float64)
-        self.a, self.b = _Counts(count), _ReadsCount(count)
+        self.a, self.b = _HoldsCount(5, 6, count, True), _HoldsCount(6, 3, count, False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.b(self.a(x))
