@@ -163,8 +163,8 @@ class Reducer:
     channel that cannot deadlock: launches follow one order, so whatever a rank waits for, the
     rank ahead has launched. Stage 3 also gathers on another channel, and a rank whose
     computation differs (a skipped block) may wait there for a rank that waits here: with
-    `patience` the wait gives up after four times the typical (median) time a reduction has
-    taken so far, at most `patience` seconds, and the reduction is collected later (`poll`,
+    `patience` the wait gives up after four times the shortest time a recent reduction has
+    taken, at most `patience` seconds, and the reduction is collected later (`poll`,
     `finish`), trading memory for progress.
 
     `gate`, if given, is called before every launch: it raises, and nothing is launched, when
@@ -190,6 +190,9 @@ class Reducer:
         self.gate = gate
         self.patience = patience
         self.durations: list[float] = []  # seconds from launch to done, of reductions waited for
+        # Buckets whose reduction was in flight when a wait gave up: their durations include
+        # this rank's stall (and a peer's, waiting for it), so they are not typical.
+        self.stalled: set[int] = set()
         # With patience, a thread waits for each reduction on the host (a blocking wait, no
         # polling), so the step can give up waiting without giving up the reduction.
         self.waiter = ThreadPoolExecutor(1, thread_name_prefix="fzero-reduce-wait") if (
@@ -256,6 +259,7 @@ class Reducer:
             assert grad is not None
             grad.zero_()
         self.fresh.clear()
+        self.stalled.clear()
         self.spares.clear()  # reused within a round only: nothing bucket-sized outlives it
         self.ready = [False] * len(self.ready)
         self.next = 0
@@ -325,13 +329,16 @@ class Reducer:
         self.pending.append(_Flight(index, pending, host, scratch))
 
     def _patience(self) -> float:
-        """Four times the median duration of the reductions waited for, within
-        [`_MIN_PATIENCE`, `patience`]; `_FIRST_PATIENCE` before any."""
+        """Four times the shortest duration of the recent reductions waited for (none of them
+        in flight while a wait gave up), within [`_MIN_PATIENCE`, `patience`];
+        `_FIRST_PATIENCE` before any. A reduction that a peer joined only after its own wait
+        gave up took that long too: with the median of every reduction, ranks on different
+        paths made each other's waits longer and longer, up to `patience` per wait (seconds
+        per step for a 120-parameter model)."""
         assert self.patience is not None
         if not self.durations:
             return min(_FIRST_PATIENCE, self.patience)
-        recent = sorted(self.durations[-16:])
-        return min(self.patience, max(_MIN_PATIENCE, 4 * recent[len(recent) // 2]))
+        return min(self.patience, max(_MIN_PATIENCE, 4 * min(self.durations[-16:])))
 
     def _settle_previous(self) -> None:
         """Wait for the reductions in flight (see the note), within `patience` if set."""
@@ -345,10 +352,12 @@ class Reducer:
             flight = self.pending[0]
             assert flight.host is not None
             try:
-                self.durations.append(
-                    flight.host.result(timeout=max(0.0, deadline - time.monotonic())))
+                took = flight.host.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:  # collected later: see the note
+                self.stalled.update(f.index for f in self.pending)
                 break
+            if flight.index not in self.stalled:
+                self.durations.append(took)
             self._settle(self.pending.pop(0))
 
     def close(self) -> None:

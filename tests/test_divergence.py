@@ -270,3 +270,83 @@ def test_a_schedule_gives_a_lagging_parameter_the_steps_rate(stage: int) -> None
     want = {n: p.detach() for n, p in model.named_parameters()}
     for params in fzero.SimWorld(2).run(_scheduled_body, stage, data):
         assert gb.max_difference(params, want) < 1e-12
+
+
+class EarlyExit(torch.nn.Module):
+    """Eight one-Linear blocks; a micro-batch runs the first ``depth`` of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Linear(4, 4, dtype=torch.float64) for _ in range(8))
+        self.out = torch.nn.Linear(4, 2, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks[: int(depth[0])]:
+            h = torch.tanh(block(h))
+        return self.out(h)
+
+
+def early_exit_loss(call: Any, batch: Any) -> torch.Tensor:
+    """The mean loss of ``calls[0]`` forward calls on shifted inputs."""
+    x, depth, calls, y = batch
+    n = int(calls[0])
+    return sum(torch.nn.functional.mse_loss(call(x + 0.1 * k, depth), y) for k in range(n)) / n
+
+
+EXITS = [[[(8, 1), (1, 1)], [(8, 2), (1, 1)]], [[(2, 3), (0, 3)], [(8, 1), (8, 3)]]]
+"""Per step, per rank: (depth, calls) of its two micro-batches."""
+
+
+def early_exit_batch(step: int, rank: int) -> tuple[torch.Tensor, ...]:
+    """Rank `rank`'s 4 rows at step `step`: two micro-batches of 2 rows, each on its path."""
+    gen = torch.Generator().manual_seed(10 * step + rank)
+    rows = [row for micro in EXITS[step][rank] for row in (micro, micro)]
+    return (torch.randn(4, 4, dtype=torch.float64, generator=gen),
+            torch.tensor([d for d, _ in rows]), torch.tensor([c for _, c in rows]),
+            torch.randn(4, 2, dtype=torch.float64, generator=gen))
+
+
+def early_exit_body(comm: Any, model: EarlyExit) -> dict[str, torch.Tensor]:
+    state = fzero.init(model, stage=3, optimizer=fzero.optim.sgd(lr=0.1), comm=comm,
+                       buckets=gb.each_parameter_alone(model))
+    step = fzero.make_train_step(model, early_exit_loss, accum_steps=2)
+    for s in range(len(EXITS)):
+        state, _ = step(state, early_exit_batch(s, comm.rank))
+    return {name: t.clone() for name, t in fzero.full_params(state).items()}
+
+
+def early_exit_reference() -> dict[str, torch.Tensor]:
+    """torch.optim.SGD on the mean over ranks and micro-batches of each one's loss."""
+    model = EarlyExit()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(len(EXITS)):
+        opt.zero_grad(set_to_none=True)
+        losses = [early_exit_loss(model, [t[half : half + 2] for t in early_exit_batch(s, r)])
+                  for r in range(2) for half in (0, 2)]
+        (sum(losses) / len(losses)).backward()
+        opt.step()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def test_ranks_on_different_paths_do_not_stall_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 3 with the default patience, ranks exiting early at different blocks and calling
+    the model a different number of times: a rank's wait for a reduction that a peer joined only
+    after its own wait gave up counted as a typical reduction time, so the waits grew to
+    `REDUCE_PATIENCE` (2 s) each; a step took 30 s and the collectives timed out (a probe
+    found it). Within a 20 s collective timeout now, the same numbers as with waits capped at
+    10 ms, and torch's."""
+    import fzero.step
+
+    default = fzero.SimWorld(2, timeout=20).run(early_exit_body, EarlyExit())
+    monkeypatch.setattr(fzero.step, "REDUCE_PATIENCE", 0.01)
+    short = fzero.SimWorld(2, timeout=20).run(early_exit_body, EarlyExit())
+    want = early_exit_reference()
+    for ours, capped in zip(default, short, strict=True):
+        assert ours.keys() == capped.keys() == want.keys()
+        for name, value in capped.items():
+            assert torch.equal(ours[name], value), name
+            torch.testing.assert_close(value, want[name], rtol=0, atol=gb.F64_ATOL)
