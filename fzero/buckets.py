@@ -163,9 +163,9 @@ class Reducer:
     channel that cannot deadlock: launches follow one order, so whatever a rank waits for, the
     rank ahead has launched. Stage 3 also gathers on another channel, and a rank whose
     computation differs (a skipped block) may wait there for a rank that waits here: with
-    `patience` the wait gives up after four times the shortest time a recent reduction has
-    taken, at most `patience` seconds, and the reduction is collected later (`poll`,
-    `finish`), trading memory for progress.
+    `patience` the wait gives up after four times what the fastest recent reduction took per
+    element (times the elements waited for), at most `patience` seconds, and the reduction is
+    collected later (`poll`, `finish`), trading memory for progress.
 
     `gate`, if given, is called before every launch: it raises, and nothing is launched, when
     the step must not communicate (the train step's header, still in flight while the first
@@ -189,7 +189,9 @@ class Reducer:
         assert mode in ("all_reduce", "scatter_full", "scatter_leaves"), mode
         self.gate = gate
         self.patience = patience
-        self.durations: list[float] = []  # seconds from launch to done, of reductions waited for
+        # Seconds per element from launch to done, of the reductions waited for (buckets differ
+        # in size: a small bucket's time says little of a large one's)
+        self.rates: list[float] = []
         # Buckets whose reduction was in flight when a wait gave up: their durations include
         # this rank's stall (and a peer's, waiting for it), so they are not typical.
         self.stalled: set[int] = set()
@@ -328,17 +330,17 @@ class Reducer:
         host = self.waiter.submit(wait) if self.waiter is not None else None
         self.pending.append(_Flight(index, pending, host, scratch))
 
-    def _patience(self) -> float:
-        """Four times the shortest duration of the recent reductions waited for (none of them
-        in flight while a wait gave up), within [`_MIN_PATIENCE`, `patience`];
-        `_FIRST_PATIENCE` before any. A reduction that a peer joined only after its own wait
-        gave up took that long too: with the median of every reduction, ranks on different
-        paths made each other's waits longer and longer, up to `patience` per wait (seconds
-        per step for a 120-parameter model)."""
+    def _patience(self, numel: int) -> float:
+        """How long to wait for reductions of `numel` elements in all: four times what the
+        fastest recent reduction took per element (none that was in flight while a wait gave
+        up), within [`_MIN_PATIENCE`, `patience`]; `_FIRST_PATIENCE` before any. A reduction
+        that a peer joined only after its own wait gave up took that long too: with the median
+        of every reduction, ranks on different paths made each other's waits longer and
+        longer, up to `patience` per wait (seconds per step for a 120-parameter model)."""
         assert self.patience is not None
-        if not self.durations:
+        if not self.rates:
             return min(_FIRST_PATIENCE, self.patience)
-        return min(self.patience, max(_MIN_PATIENCE, 4 * min(self.durations[-16:])))
+        return min(self.patience, max(_MIN_PATIENCE, 4 * min(self.rates[-16:]) * numel))
 
     def _settle_previous(self) -> None:
         """Wait for the reductions in flight (see the note), within `patience` if set."""
@@ -347,7 +349,8 @@ class Reducer:
                 self._settle(flight)
             self.pending = []
             return
-        deadline = time.monotonic() + self._patience()
+        numel = sum(self.layout.buckets[f.index].padded_numel for f in self.pending)
+        deadline = time.monotonic() + self._patience(numel)
         while self.pending:
             flight = self.pending[0]
             assert flight.host is not None
@@ -357,7 +360,7 @@ class Reducer:
                 self.stalled.update(f.index for f in self.pending)
                 break
             if flight.index not in self.stalled:
-                self.durations.append(took)
+                self.rates.append(took / self.layout.buckets[flight.index].padded_numel)
             self._settle(self.pending.pop(0))
 
     def close(self) -> None:
