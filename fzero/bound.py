@@ -287,12 +287,13 @@ def check_buffers(
     """
     named = dict(model.named_buffers())
     owner = dict(aliases)
+    held = {name: owner.get(name, name) for name in named}  # the state's name of each
     missing = sorted(set(buffers) - set(named))
-    extra = sorted(n for n in named if owner.get(n, n) not in buffers)
+    extra = sorted(name for name, own in held.items() if own not in buffers)
     wrong = sorted(
-        f"{name}: state {tuple(buffers[owner.get(name, name)].shape)} vs model {tuple(t.shape)}"
+        f"{name}: state {tuple(buffers[held[name]].shape)} vs model {tuple(t.shape)}"
         for name, t in named.items()
-        if owner.get(name, name) in buffers and t.shape != buffers[owner.get(name, name)].shape
+        if held[name] in buffers and t.shape != buffers[held[name]].shape
     )
     if missing or extra or wrong:
         raise ValueError(

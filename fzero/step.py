@@ -1149,8 +1149,7 @@ def _bindings(
                 named[name] = leaf
     named.update(buffers)
     for alias, name in state.config.buffer_aliases:  # one tensor in two submodules
-        if name in buffers:
-            named[alias] = buffers[name]
+        named[alias] = buffers[name]
     return named
 
 
@@ -1257,7 +1256,7 @@ def _check_module_writes(model: nn.Module, state: ShardState) -> None:
     differ = []
     for names in by_tensor.values():
         tensor = written[names[0]]
-        known = [owner.get(n, n) for n in names if n in located or owner.get(n, n) in state.buffers]
+        known = [n for n in (owner.get(n, n) for n in names) if n in located or n in state.buffers]
         if not known or not _holds_state_values(state, known[0], tensor.detach()):
             differ += names
     if differ:
