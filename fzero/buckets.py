@@ -165,7 +165,10 @@ class Reducer:
     computation differs (a skipped block) may wait there for a rank that waits here: with
     `patience` the wait gives up after four times what the fastest recent reduction took per
     element (times the elements waited for), at most `patience` seconds, and the reduction is
-    collected later (`poll`, `finish`), trading memory for progress.
+    collected later (`poll`, `finish`), trading memory for progress. Until it is, later launches
+    do not wait: on one channel nothing launched after it can finish first, so each such wait
+    would give up too (a wait per bucket: 1-2 s per step for a 10-parameter model whose ranks
+    exit early at different blocks).
 
     `gate`, if given, is called before every launch: it raises, and nothing is launched, when
     the step must not communicate (the train step's header, still in flight while the first
@@ -189,10 +192,10 @@ class Reducer:
         assert mode in ("all_reduce", "scatter_full", "scatter_leaves"), mode
         self.gate = gate
         self.patience = patience
-        # Seconds per element from launch to done, of the reductions waited for (buckets differ
-        # in size: a small bucket's time says little of a large one's)
+        # Seconds per element from launch to done of the recent settled reductions (buckets
+        # differ in size: a small bucket's time says little of a large one's)
         self.rates: list[float] = []
-        # Buckets whose reduction was in flight when a wait gave up: their durations include
+        # Buckets whose reduction was in flight while a wait gave up: their durations include
         # this rank's stall (and a peer's, waiting for it), so they are not typical.
         self.stalled: set[int] = set()
         # With patience, a thread waits for each reduction on the host (a blocking wait, no
@@ -328,6 +331,8 @@ class Reducer:
             return time.monotonic() - launched
 
         host = self.waiter.submit(wait) if self.waiter is not None else None
+        if any(f.index in self.stalled for f in self.pending):  # it cannot finish before them
+            self.stalled.add(index)
         self.pending.append(_Flight(index, pending, host, scratch))
 
     def _patience(self, numel: int) -> float:
@@ -340,7 +345,7 @@ class Reducer:
         assert self.patience is not None
         if not self.rates:
             return min(_FIRST_PATIENCE, self.patience)
-        return min(self.patience, max(_MIN_PATIENCE, 4 * min(self.rates[-16:]) * numel))
+        return min(self.patience, max(_MIN_PATIENCE, 4 * min(self.rates) * numel))
 
     def _settle_previous(self) -> None:
         """Wait for the reductions in flight (see the note), within `patience` if set."""
@@ -349,18 +354,25 @@ class Reducer:
                 self._settle(flight)
             self.pending = []
             return
+        if not self.pending:
+            return
+        if any(f.index in self.stalled for f in self.pending):
+            # A wait gave up on these and they are still in flight. Collectives on one channel
+            # complete in order, so nothing launched after them can finish first: waiting again
+            # would only repeat the stall (a peer on another path waits for this rank to go
+            # on). Collect what is done; wait again once they are.
+            self.poll()
+            return
         numel = sum(self.layout.buckets[f.index].padded_numel for f in self.pending)
         deadline = time.monotonic() + self._patience(numel)
         while self.pending:
             flight = self.pending[0]
             assert flight.host is not None
             try:
-                took = flight.host.result(timeout=max(0.0, deadline - time.monotonic()))
+                flight.host.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:  # collected later: see the note
                 self.stalled.update(f.index for f in self.pending)
                 break
-            if flight.index not in self.stalled:
-                self.rates.append(took / self.layout.buckets[flight.index].padded_numel)
             self._settle(self.pending.pop(0))
 
     def close(self) -> None:
@@ -371,7 +383,10 @@ class Reducer:
     def _settle(self, flight: _Flight) -> None:
         index = flight.index
         if flight.host is not None:
-            flight.host.result()  # re-raises the reduction's error
+            took = flight.host.result()  # re-raises the reduction's error
+            if index not in self.stalled:
+                self.rates.append(took / self.layout.buckets[index].padded_numel)
+                del self.rates[:-_RATES_KEPT]
         value = flight.pending.wait()
         if self.mode == "scatter_leaves":
             target = self.grads[index]
@@ -388,6 +403,7 @@ class Reducer:
             self.results[index] = value
 
 
+_RATES_KEPT = 16  # the recent reductions whose fastest sets the patience
 _FIRST_PATIENCE = 0.05  # seconds, before any reduction was timed
 _MIN_PATIENCE = 0.005
 
