@@ -631,7 +631,14 @@ def _buffers(
         values = load(list(named))
         missing = [name for name in named if name not in values]
         if missing:
-            raise ValueError(f"load() returned no value for buffers {missing[:5]}")
+            saved = set(model.state_dict())
+            transient = [name for name in missing if name not in saved]
+            raise ValueError(
+                f"load() returned no value for buffers {missing[:5]}"
+                + (f"; {transient[:5]} are non-persistent (registered with persistent=False: "
+                   f"Hugging Face's rotary inv_freq, position_ids, ...), so no checkpoint file "
+                   f"holds them: have load() return them too, e.g. from the same module built "
+                   f"on the CPU" if transient else ""))
         return {n: values[n].detach().to(device, b.dtype).clone() for n, b in named.items()}
     assert init_fn is not None
     return _initialized(model, list(named), device, init_fn)

@@ -160,6 +160,28 @@ def test_load_missing_a_buffer_is_named():
     with pytest.raises(SimWorldError) as info:
         fzero.SimWorld(1).run(init_and_gather, meta_model(), 3, load=load)
     assert "load() returned no value for buffers ['scale']" in str(info.value.__cause__)
+    assert "non-persistent" not in str(info.value.__cause__)  # 'scale' is in a state_dict
+
+
+def test_load_missing_a_non_persistent_buffer_says_no_checkpoint_holds_it():
+    """Hugging Face registers rotary frequencies and position ids with persistent=False: a
+    load() reading a checkpoint cannot return them, and the error says why (a probe found the
+    bare message puzzling)."""
+    def build() -> nn.Module:
+        model = materialized()
+        model.register_buffer("inv_freq", torch.arange(3.0), persistent=False)
+        return model
+
+    with torch.device("meta"):
+        meta = build()
+    saved = build().state_dict()
+    assert "inv_freq" not in saved
+
+    with pytest.raises(SimWorldError) as info:
+        fzero.SimWorld(1).run(init_and_gather, meta, 3, load=lambda names: saved)
+    text = str(info.value.__cause__)
+    assert "no value for buffers ['inv_freq']; ['inv_freq'] are non-persistent" in text
+    assert "no checkpoint file holds them" in text
 
 
 class Counted(nn.Module):
