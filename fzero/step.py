@@ -66,6 +66,7 @@ from fzero.flat import alias_leaves, all_finite, entry_views, shard_view, unflat
 from fzero.layout import ShardLayout
 from fzero.optim import Schedule, clip_coefficient
 from fzero.residency import (
+    FullBuffers,
     PeerFailed,
     Residency,
     backward_under_guard,
@@ -227,7 +228,7 @@ def make_train_step(
         raise TypeError(f"decay must be None or a function (name, shape) -> bool, got {decay!r}")
     binder = Binder(model)
     plans: dict[tuple[str, int, int], Any] = {}  # decay ranges per (layout, stage, rank)
-    leaves = _LeafCache()  # stages 0-2: the leaves of the state's tensors, across steps
+    leaves = _LeafCache()  # the leaves of the state's tensors (stage 3: buffers), across steps
     checked_writes = False  # stage 3: whether a step looked for writes bypassing autograd
     decayed: dict[str, tuple[str, ...] | None] = {}  # per layout: the names `decay` selects
 
@@ -541,8 +542,8 @@ def _run(
     scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
     factor = scale / len(micro_batches)
     session_of = (_sharded(state, model, prefetch, streams, train=True,
-                           check_writes=check_writes) if state.stage == 3
-                  else _replicated(state, streams, gate, leaves.of(state)))
+                           check_writes=check_writes, leaves=leaves.of(state))
+                  if state.stage == 3 else _replicated(state, streams, gate, leaves.of(state)))
     losses: list[Tensor] = []
     failure: BaseException | None = None
     comm = state.config.comm
@@ -650,21 +651,41 @@ class _Leaves:
         self.completion.close()
 
 
+class _ShardedLeaves:
+    """Stage 3: the full buffers and parameter leaves a step gathers into
+    (`fzero.residency.FullBuffers`), with the completion hooks on the leaves, reused by every
+    step over the same layout (as `_Leaves` are at stages 0-2)."""
+
+    def __init__(self, state: ShardState) -> None:
+        self.buffers = FullBuffers(state.layout, state.params)
+        self.completion = Completion(state.layout, self.buffers.leaves, lambda index: None)
+        self.completion.stop()  # until a step `restart`s it
+
+    def fits(self, state: ShardState) -> bool:
+        """Whether these serve `state` (its layout, every bucket released)."""
+        return state.stage == 3 and self.buffers.fits(state.layout, state.params)
+
+    def close(self) -> None:
+        """Remove the hooks (the leaves are not used again)."""
+        self.completion.close()
+
+
 class _LeafCache:
-    """The `_Leaves` of the last state a train step ran on. It refers to that state's tensors
-    only weakly: once they are gone (the state and its successors dropped, e.g. for a loaded
-    checkpoint) the leaves go too, and with them the last hold on the tensors' memory."""
+    """The `_Leaves` (stage 3: `_ShardedLeaves`) of the last state a train step ran on. It
+    refers to that state's tensors only weakly: once they are gone (the state and its
+    successors dropped, e.g. for a loaded checkpoint) the leaves go too, and with them the last
+    hold on the tensors' memory."""
 
     def __init__(self) -> None:
-        self._leaves: _Leaves | None = None
+        self._leaves: _Leaves | _ShardedLeaves | None = None
         self._watch: weakref.ref[Tensor] | None = None
 
-    def of(self, state: ShardState) -> _Leaves:
+    def of(self, state: ShardState) -> Any:
         """The leaves of `state`'s tensors: the cached ones, or new ones replacing them."""
         if self._leaves is not None and self._leaves.fits(state):
             return self._leaves
         self.drop()
-        leaves = self._leaves = _Leaves(state)
+        leaves = self._leaves = (_ShardedLeaves if state.stage == 3 else _Leaves)(state)
         # The leaves hold the tensors' storage: let go of them when the first tensor dies.
         cache, built = weakref.ref(self), weakref.ref(leaves)
         self._watch = weakref.ref(state.params[0], lambda _: _drop_if(cache, built))
@@ -677,7 +698,7 @@ class _LeafCache:
         self._leaves = self._watch = None
 
 
-def _drop_if(cache: weakref.ref[_LeafCache], leaves: weakref.ref[_Leaves]) -> None:
+def _drop_if(cache: weakref.ref[_LeafCache], leaves: weakref.ref[Any]) -> None:
     """`cache` drops its leaves if they are still `leaves` (a weakref callback: both may be
     gone already)."""
     held = cache()
@@ -785,7 +806,8 @@ class _ShardedSession:
     """
 
     def __init__(self, state: ShardState, model: nn.Module, prefetch: int,
-                 streams: SideStreams | None, train: bool, check_writes: bool = False) -> None:
+                 streams: SideStreams | None, train: bool, check_writes: bool = False,
+                 leaves: _ShardedLeaves | None = None) -> None:
         comm = state.config.comm
         layout = state.layout
         self.state = state
@@ -797,8 +819,11 @@ class _ShardedSession:
             data=comm.channel(_GATHER), control=comm.channel(_CONTROL, host=True),
             layout=layout, shards=state.params, streams=self.streams, order=order,
             prefetch=prefetch, check_writes=check_writes,
+            buffers=leaves.buffers if leaves is not None else None,
         )
         self.leaves = self.residency.leaves
+        if leaves is not None:
+            leaves.buffers.begin()
         self.versions = _versions(self.leaves)
         self.reducer: Reducer | None = None
         if train:  # the reducer copies each bucket's first reduction into its shard
@@ -806,7 +831,12 @@ class _ShardedSession:
                                    reduce_order(state.trainable, order.forward),
                                    mode="scatter_leaves", streams=self.streams,
                                    patience=REDUCE_PATIENCE)
-        self.completion = Completion(layout, self.leaves, unguarded(self._on_complete))
+        self.reused = leaves is not None  # its completion hooks stay, for the next step
+        if leaves is not None:
+            self.completion = leaves.completion
+            self.completion.restart(unguarded(self._on_complete))
+        else:
+            self.completion = Completion(layout, self.leaves, unguarded(self._on_complete))
         self.aborted = False
         self.phase: str | None = None  # the phase under way on this rank
         self.hooks = contextlib.ExitStack()
@@ -908,7 +938,10 @@ class _ShardedSession:
 
     def close(self) -> None:
         self.hooks.close()
-        self.completion.close()
+        if self.reused:
+            self.completion.stop()
+        else:
+            self.completion.close()
         self.residency.release_all()
         if self.reducer is not None:
             self.reducer.close()
@@ -917,9 +950,9 @@ class _ShardedSession:
 @contextlib.contextmanager
 def _sharded(
     state: ShardState, model: nn.Module, prefetch: int, streams: SideStreams | None, *,
-    train: bool, check_writes: bool = False
+    train: bool, check_writes: bool = False, leaves: _ShardedLeaves | None = None,
 ) -> Iterator[_ShardedSession]:
-    session = _ShardedSession(state, model, prefetch, streams, train, check_writes)
+    session = _ShardedSession(state, model, prefetch, streams, train, check_writes, leaves)
     try:
         yield session
     finally:
