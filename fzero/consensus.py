@@ -119,8 +119,8 @@ class HeaderRound:
         """Wait for every rank's header (once); raise if this step cannot start."""
         if self._work is not None:
             work, self._work = self._work, None
-            work.wait()
-            try:
+            try:  # a wait that raises (a timeout) is remembered too, as a verdict is
+                work.wait()
                 self._verify(self._every.view(-1, len(self._header)).tolist())
             except BaseException as exc:
                 self._error = exc

@@ -129,6 +129,52 @@ def test_a_header_round_checks_once_and_raises_the_same_error_again() -> None:
     assert fzero.SimWorld(2).run(body) == [(3, 1)] * 2
 
 
+def test_a_header_round_that_times_out_raises_the_timeout_again() -> None:
+    """A header a late rank never joins in time: every later `check()` raised nothing, so a
+    step launched its first reduction after the timed-out header, waited a second timeout and
+    reported that reduction (over gloo: "connection closed by peer", the peer alive). Found by
+    a probe."""
+
+    def body(comm: Any) -> Any:
+        if comm.rank == 0:
+            time.sleep(1.5)  # never joins within rank 1's timeout
+            return None
+        header = HeaderRound(comm, HEADER, what="train step")
+        errors = []
+        for _ in range(3):
+            try:
+                header.check()
+            except fzero.CollectiveTimeout as exc:
+                errors.append(exc)
+        return len(errors), len({id(e) for e in errors}), "train step header" in str(errors[0])
+
+    assert fzero.SimWorld(2, timeout=0.5).run(body) == [None, (3, 1, True)]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_late_rank_times_out_the_header_not_a_reduction(stage: int) -> None:
+    """Stages 0-2: the header travels during the forward and the first reduction waits for it;
+    a rank late by more than the timeout makes the other raise the header's timeout without
+    launching a reduction (before: the reduction's, after two timeouts)."""
+    timeout = 0.5
+
+    def body(comm: Any) -> Any:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+        step = fzero.make_train_step(model, lambda call, x: call(x).square().mean())
+        state, _ = step(state, torch.ones(2, 4))
+        if comm.rank == 0:
+            time.sleep(3 * timeout)
+            return None
+        reductions = comm.counters.total()
+        with pytest.raises(fzero.CollectiveTimeout) as info:
+            step(state, torch.ones(2, 4))
+        return "train step header" in str(info.value), comm.counters.total() == reductions
+
+    assert fzero.SimWorld(2, timeout=timeout).run(body) == [None, (True, True)]
+
+
 def test_an_agreed_header_round_checks_any_number_of_times() -> None:
     def body(comm: Any) -> int:
         header = HeaderRound(comm, HEADER, what="train step")
