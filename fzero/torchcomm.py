@@ -102,6 +102,17 @@ class _TorchWork:
         return self._done or all(bool(work.is_completed()) for work in self._works)
 
 
+def _group_timeout(group: Any, device: torch.device) -> timedelta | None:
+    """The timeout `group` (None: the default group) was created with, or None where this
+    torch does not tell (`ProcessGroup` keeps it in its backend's options)."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        timeout = pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
+
+
 def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
     if timeout is None or isinstance(timeout, timedelta):
         return timeout
@@ -236,7 +247,10 @@ class TorchComm(CommBase):
         group = dist.new_group(
             ranks=self._global_ranks,
             backend=backend,
-            timeout=self.timeout,
+            # this comm's own timeout, else its group's: a new group's default would be
+            # torch's 30 minutes, so a stuck peer would hang the control and gather channels
+            # long after `fzero.distributed(timeout=...)` said to give up
+            timeout=self.timeout or _group_timeout(self.group, self.device),
             use_local_synchronization=self.group is not None,
             group_desc=f"fzero:{name}",
         )

@@ -725,6 +725,21 @@ def test_init_distributed_single_process_fallback(bare_env: pytest.MonkeyPatch) 
     destroy_distributed()  # a no-op without a group
 
 
+def test_channels_time_out_as_the_group_does(bare_env: pytest.MonkeyPatch) -> None:
+    """`fzero.distributed(timeout=T)`: fzero's own channels (the control rounds, stage 3's
+    gathers) are new process groups, which torch gives its 30-minute default unless told; a
+    stuck peer then hung a stage-3 step for as long as it was stuck, whatever T said (found by
+    a probe). They inherit the comm's timeout, else its group's."""
+    cpu = torch.device("cpu")
+    with distributed(backend="gloo", timeout=timedelta(seconds=7)) as comm:
+        assert comm.timeout is None  # waits are the group's own: no host-side bound
+        for channel in (comm.channel("control", host=True), comm.channel("stage3.gather")):
+            assert ftorchcomm._group_timeout(channel.group, cpu) == timedelta(seconds=7)
+        own = TorchComm(timeout=3.0)
+        assert ftorchcomm._group_timeout(own.channel("x").group, cpu) == timedelta(seconds=3)
+    assert ftorchcomm._group_timeout(object(), cpu) is None  # a torch that does not tell
+
+
 def test_torch_comm_collects_garbage_before_the_interpreter_exits(
     bare_env: pytest.MonkeyPatch,
 ) -> None:
