@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -57,6 +57,8 @@ __all__ = [
     "CommCounters",
     "Work",
     "check_comm",
+    "describe_parts",
+    "differing_parts",
     "fingerprint_check",
     "ring_bytes",
 ]
@@ -616,7 +618,9 @@ def check_comm(comm: object, what: str) -> Comm:
     return comm
 
 
-def fingerprint_check(comm: Comm, value: int | str, what: str) -> None:
+def fingerprint_check(
+    comm: Comm, value: int | str, what: str, parts: Mapping[str, str] | None = None
+) -> None:
     """Raise on every rank if `value` is not the same on all ranks of `comm`.
 
     All-gathers one int64 per rank (the value itself if it fits, else a 64-bit hash of its repr)
@@ -628,6 +632,9 @@ def fingerprint_check(comm: Comm, value: int | str, what: str) -> None:
         comm: The communicator; its `device` attribute, if any, places the tensors (CPU else).
         value: An int or a str, e.g. a layout fingerprint.
         what: What the value is, for the error message (e.g. "layout fingerprint").
+        parts: What `value` is made of, by name (the same names on every rank): when the
+            values differ, one more collective finds the parts that do, and the error names
+            them with this rank's value of each (`differing_parts`).
 
     Raises:
         TypeError: If `value` is not an int or a str.
@@ -645,9 +652,37 @@ def fingerprint_check(comm: Comm, value: int | str, what: str) -> None:
     differ = [r for r, v in enumerate(values) if v != values[0]]
     if differ:
         shown = ", ".join(f"rank {r}: {values[r]:#x}" for r in differ)
+        named = "" if parts is None else "; " + describe_parts(
+            differing_parts(comm, parts, what), parts)
         raise ValueError(
-            f"{what} differs across ranks: rank 0 has {values[0]:#x}, but {shown} "
-            f"(this is rank {comm.rank}, whose {what} is {value!r})"
+            f"{what} differs across ranks: rank 0 has {values[0]:#x}, but {shown} (this is "
+            f"rank {comm.rank}){named}"
         )
+
+
+def differing_parts(comm: Comm, parts: Mapping[str, str], what: str) -> list[str]:
+    """The names of `parts` whose values are not the same on every rank (a collective: one
+    int64 hash per part; every rank must pass the same names, in the same order, and gets the
+    same answer)."""
+    device = getattr(comm, "device", torch.device("cpu"))
+    mine = torch.tensor([_fingerprint_int64(v) for v in parts.values()], dtype=torch.int64,
+                        device=device)
+    every = torch.empty(comm.world_size * len(parts), dtype=torch.int64, device=device)
+    comm.all_gather(every, mine, label=f"of the parts of the {what}")
+    rows = every.view(comm.world_size, len(parts)).tolist()
+    return [name for column, name in enumerate(parts)
+            if len({row[column] for row in rows}) > 1]
+
+
+def describe_parts(names: Sequence[str], parts: Mapping[str, str], limit: int = 300) -> str:
+    """``"they differ in: <name> (this rank: <value>), ..."`` for the parts `names`."""
+    if not names:
+        return "no part of it differs (a hash collision or a bug: please report it)"
+    shown = [f"{name} (this rank: {_clipped(parts[name], limit)})" for name in names]
+    return "they differ in: " + ", ".join(shown)
+
+
+def _clipped(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

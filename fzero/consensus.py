@@ -27,12 +27,12 @@ decision from the same data:
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
 
-from fzero.comm import Comm
+from fzero.comm import Comm, describe_parts, differing_parts
 
 __all__ = ["Header", "HeaderRound", "StepError", "Statistics", "agree_header",
            "exchange_statistics", "float_bits"]
@@ -101,13 +101,16 @@ class HeaderRound:
     """
 
     def __init__(
-        self, control: Comm, header: Header, *, what: str, own: BaseException | None = None
+        self, control: Comm, header: Header, *, what: str, own: BaseException | None = None,
+        parts: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         n = control.world_size
         if own is not None:
             header = header._replace(micro_batches=0)
         self._what = what
         self._own = own
+        self._control = control
+        self._parts = dict(parts or {})  # per field: what its value is made of, by name
         self._header = header
         self._every = torch.empty(n * len(header), dtype=torch.int64)
         mine = torch.tensor(list(header), dtype=torch.int64)
@@ -148,9 +151,12 @@ class HeaderRound:
                     by_value.setdefault(value, []).append(rank)
                 shown = "; ".join(f"{_show(field, v)} on ranks {r}" for v, r in by_value.items())
                 odd = [r for r, v in enumerate(values) if v != values[0]]
+                parts = self._parts.get(field)
+                named = "" if not parts else "; " + describe_parts(
+                    differing_parts(self._control, parts, f"{what} {field}"), parts)
                 raise StepError(
                     f"{what}: ranks disagree on the {field.replace('_', ' ')} before it started "
-                    f"({shown}); nothing was communicated or changed. "
+                    f"({shown}){named}; nothing was communicated or changed. "
                     + _HEADER_HINTS.get(field, ""),
                     step=header.step + 1,
                     ranks=odd,
@@ -170,8 +176,7 @@ _HEADER_HINTS = {
           "length of the rank's own data).",
     "settings": "Every rank must train with the same settings: the optimizer and its "
                 "hyperparameters, clip_norm, max_skipped, the buffers policy, the "
-                "weight-decay rule and the state's dtypes (param_dtype, master_dtype, "
-                "reduce_dtype).",
+                "weight-decay rule and the state's master_dtype and reduce_dtype.",
 }
 
 

@@ -235,6 +235,23 @@ class ShardLayout:
         assert self._fingerprint is not None
         return self._fingerprint
 
+    def parts(self) -> dict[str, str]:
+        """What the fingerprint covers, part by part, as text (for naming what differs when
+        two layouts' fingerprints do: `fzero.comm.fingerprint_check`)."""
+        entries = sorted(((e, b) for b in self.buckets for e in b.entries),
+                         key=lambda pair: pair[0].name)
+        return {
+            "parameter names, shapes and dtypes": repr(
+                [(e.name, list(e.shape), b.dtype) for e, b in entries]),
+            "tied names (aliases)": repr([(e.name, list(e.aliases)) for e, _ in entries
+                                          if e.aliases]),
+            "which parameters are trainable (requires_grad, trainable=)": repr(
+                [e.name for e, b in entries if b.trainable]),
+            "how parameters are bucketed (buckets=)": repr(
+                [[e.name for e in b.entries] for b in self.buckets]),
+            "world size": str(self.world_size),
+        }
+
     def to_json(self, indent: int | None = 1) -> str:
         """Serialize to JSON text; `ShardLayout.from_json` is its exact inverse."""
         doc = {

@@ -472,8 +472,8 @@ def init(
         master_dtype = _default_master_dtype(source_layout, layout)
     check_reduce_dtype(reduce_dtype, layout)
     check_optimizer_dtype(optimizer, master_dtype)
-    fingerprint_check(comm, layout.fingerprint, "layout fingerprint (parameter names, shapes "
-                      "and dtypes)")
+    fingerprint_check(comm, layout.fingerprint, "layout fingerprint",
+                      parts=layout.parts())
     module_buffers = dict(model.named_buffers()) if isinstance(model, nn.Module) else {}
     fingerprint_check(comm, buffers_fingerprint(module_buffers), "buffers fingerprint (buffer "
                       "names, shapes and dtypes)")

@@ -232,18 +232,26 @@ def make_train_step(
     checked_writes = False  # stage 3: whether a step looked for writes bypassing autograd
     decayed: dict[str, tuple[str, ...] | None] = {}  # per layout: the names `decay` selects
 
-    def settings(state: ShardState) -> int:
-        """A fingerprint of what else this step applies, which every rank must share."""
+    def settings(state: ShardState) -> dict[str, str]:
+        """What else this step applies, which every rank must share, part by part (the
+        dtypes of the parameters and buffers are in the layout's and buffers' fingerprints)."""
         fingerprint = state.layout.fingerprint
         if fingerprint not in decayed:
             decayed[fingerprint] = None if decay is None else _decayed(state.layout, decay)
         config, scale = state.config, state.loss_scale
         spec = config.optimizer.spec
-        described = repr((spec.to_json() if spec is not None else None, clip_norm,
-                          max_skipped, buffers, decayed[fingerprint], str(config.param_dtype),
-                          str(config.master_dtype), str(config.reduce_dtype),
-                          None if scale is None else (scale.scale, scale.good_steps)))
-        return int(hashlib.blake2b(described.encode(), digest_size=8).hexdigest(), 16) >> 4
+        return {
+            "the optimizer and its hyperparameters": repr(
+                spec.to_json() if spec is not None else None),
+            "clip_norm": repr(clip_norm),
+            "max_skipped": repr(max_skipped),
+            "the buffers policy": repr(buffers),
+            "the parameters the weight-decay rule decays": repr(decayed[fingerprint]),
+            "master_dtype": str(config.master_dtype),
+            "reduce_dtype": str(config.reduce_dtype),
+            "the fp16 loss scale (scale, good steps)": repr(
+                None if scale is None else (scale.scale, scale.good_steps)),
+        }
 
     def step(state: ShardState, batch: Any) -> tuple[ShardState, dict[str, Any]]:
         if not isinstance(state, ShardState):
@@ -252,7 +260,7 @@ def make_train_step(
         problem: Exception | None = None
         micro_batches: list[Any] = []
         applied: float | None = None  # the learning rate of this step, on every parameter
-        agreed = 0  # the settings' fingerprint
+        agreed: dict[str, str] = {}  # the settings, part by part
         release: Callable[[], None] | None = None
         try:  # checks that may fail on one rank only: reported to all through the header
             check_live(state, "step")
@@ -283,14 +291,14 @@ def make_train_step(
 
     def _train(
         state: ShardState, micro_batches: list[Any], problem: Exception | None,
-        applied: float | None, agreed: int,
+        applied: float | None, agreed: dict[str, str],
     ) -> tuple[ShardState, dict[str, Any]]:
         nonlocal checked_writes
         comm = state.config.comm
         control = comm.channel(_CONTROL, host=True)
         header = HeaderRound(control, _header(state, len(micro_batches), kind=0, lr=applied,
-                                              settings=agreed),
-                             what="train step", own=problem)
+                                              settings=_settings_bits(agreed)),
+                             what="train step", own=problem, parts={"settings": agreed})
         if problem is not None or state.stage == 3:
             header.check()  # nothing to compute, or a collective comes first (stage 3 gathers)
         # Otherwise the header travels during the first forward; the first reduction (or any
@@ -960,6 +968,14 @@ def _sharded(
 
 
 # --- the phases after backward ----------------------------------------------------------------
+
+
+def _settings_bits(parts: Mapping[str, str]) -> int:
+    """The header's fingerprint of a train step's settings (0: none, the step cannot start)."""
+    if not parts:
+        return 0
+    described = repr(tuple(parts.values()))
+    return int(hashlib.blake2b(described.encode(), digest_size=8).hexdigest(), 16) >> 4
 
 
 def _header(

@@ -1154,8 +1154,35 @@ def test_ranks_with_different_step_settings_raise_before_anything_moves(
     for kind, message, moved, same in fzero.SimWorld(3).run(_settings_outcome, how=how):
         assert kind == "StepError" and moved == 0 and same, message
         assert f"ranks disagree on the {field} before it started" in message
+        if field == "settings":  # which one, with this rank's value (a probe saw two hashes)
+            assert f"; they differ in: {SETTING_NAMES[how]} (this rank: " in message, message
+            assert message.count("(this rank: ") == 1, message  # that one only
     if field == "lr":
         assert "0.1 on ranks [0]; 0.2 on ranks [1]; 0.30000000000000004 on ranks [2]" in message
+
+
+SETTING_NAMES = {
+    "optimizer": "the optimizer and its hyperparameters", "clip_norm": "clip_norm",
+    "decay": "the parameters the weight-decay rule decays", "master_dtype": "master_dtype",
+}
+
+
+def test_param_dtype_none_and_the_model_s_own_dtype_are_the_same_setting() -> None:
+    """`param_dtype=None` on a float32 model and `param_dtype=torch.float32` build the same
+    state; the step's settings compared the argument and refused to train (a probe)."""
+
+    def body(comm: Any) -> float:
+        model = gb.BatchNormNet().float()
+        dtype = torch.float32 if comm.rank == 1 else None
+        state = fzero.init(model, stage=2, optimizer=fzero.optim.sgd(lr=0.1), comm=comm,
+                           param_dtype=dtype)
+        step = fzero.make_train_step(model, gb.mse_loss)
+        batch = gb.rank_rows(gb.mse_batches(1, rows=8, d_in=5, d_out=3)[0], comm.rank, 2)
+        state, metrics = step(state, tuple(t.float() for t in batch))
+        return metrics["loss"]
+
+    losses = fzero.SimWorld(2).run(body)
+    assert losses[0] == losses[1]
 
 
 def test_a_schedule_that_raises_on_one_rank_stops_every_rank() -> None:

@@ -3,6 +3,8 @@ and never holds more than one bucket's full values."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -291,3 +293,33 @@ def test_init_takes_a_nested_mapping_as_plan_does():
     for params, tree in fzero.SimWorld(2).run(_nested_body):
         assert torch.equal(params["enc.w"], tree["enc"]["w"].detach())
         assert torch.equal(params["head.b"], tree["head"]["b"].detach())
+
+
+def _mismatched_init(comm: Any, how: str) -> str:
+    model = materialized()
+    kwargs: dict[str, Any] = {}
+    if comm.rank == 1 and how == "frozen":
+        model.embed.weight.requires_grad_(False)
+    if comm.rank == 1 and how == "buckets":
+        kwargs["buckets"] = [[name] for name, _ in model.named_parameters()]
+    if comm.rank == 1 and how == "shape":
+        model.embed.weight = nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError) as info:
+        fzero.init(model, stage=3, comm=comm, optimizer=fzero.optim.adamw(), **kwargs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(("how", "named"), [
+    ("frozen", "which parameters are trainable (requires_grad, trainable=) (this rank: "),
+    ("buckets", "they differ in: how parameters are bucketed (buckets=) (this rank: "),
+    ("shape", "they differ in: parameter names, shapes and dtypes (this rank: "),
+])
+def test_ranks_building_different_layouts_are_told_what_differs(how: str, named: str) -> None:
+    """Every rank raises at init; the message said "layout fingerprint (parameter names, shapes
+    and dtypes) differs" with two hashes, also when only requires_grad or the bucket policy
+    differed (a probe). It names the parts that differ, with this rank's value."""
+    for rank, message in enumerate(fzero.SimWorld(2).run(_mismatched_init, how)):
+        assert message.startswith("layout fingerprint differs across ranks: rank 0 has ")
+        assert f"(this is rank {rank}); " in message and named in message, message
+    if how == "buckets":
+        assert "trainable" not in message and "shapes" not in message

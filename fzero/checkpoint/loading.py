@@ -118,8 +118,8 @@ def load(
     optimizer = _optimizer(path, manifest, optimizer, weights_only)
     check_optimizer_dtype(optimizer, master_dtype)
     buffer_names = _check_buffers(path, manifest, model)
-    fingerprint_check(comm, layout.fingerprint, "layout fingerprint (parameter names, shapes "
-                      "and dtypes)")
+    fingerprint_check(comm, layout.fingerprint, "layout fingerprint",
+                      parts=layout.parts())
     verify(path, manifest, comm, checksums=verify_checksums)
 
     # Each rank's own buffers (they differ under buffers="local"); at another N, rank 0's.
