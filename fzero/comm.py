@@ -382,6 +382,19 @@ class CommBase:
         return ("the transport does not say which ranks did not arrive: look for the rank whose "
                 "log stops earliest")
 
+    def _lost_peer(self, error: str) -> str:
+        """For a transport error saying a connection broke: which rank that can be, as far as
+        this comm knows (the transport names only an address)."""
+        lost = ("connection closed", "connection reset", "broken pipe", "read error",
+                "write error")
+        if not any(word in error.lower() for word in lost):
+            return ""
+        if self.world_size == 2:
+            return (f"; the connection to rank {1 - self.rank} (the only other rank) broke: "
+                    f"it most likely exited or crashed (see its log)")
+        return ("; a connection to another rank broke: one most likely exited or crashed (the "
+                "transport names only its address: look for the rank whose log ends first)")
+
     def _named(
         self, kind: str, label: str | None, start: Callable[[], Work | None]
     ) -> Work | None:
@@ -401,7 +414,7 @@ class CommBase:
                     "timeout" in str(exc).lower()):
                 missing = "" if "never joined" in str(exc) else f"; {self._missing_ranks()}"
                 return CollectiveTimeout(text + missing)
-            return CollectiveError(text)
+            return CollectiveError(text + self._lost_peer(str(exc)))
 
         try:
             work = start()

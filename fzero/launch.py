@@ -203,19 +203,39 @@ def init_distributed(
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if backend == "nccl":
         kwargs["device_id"] = dev
-    if env.launcher == "torchrun":
-        dist.init_process_group(init_method="env://", **kwargs)
-    elif env.world_size == 1:
-        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    else:
-        host = f"[{env.master_addr}]" if ":" in str(env.master_addr) else env.master_addr
-        dist.init_process_group(
-            init_method=f"tcp://{host}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            **kwargs,
-        )
+    try:
+        if env.launcher == "torchrun":
+            dist.init_process_group(init_method="env://", **kwargs)
+        elif env.world_size == 1:
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        else:
+            host = f"[{env.master_addr}]" if ":" in str(env.master_addr) else env.master_addr
+            dist.init_process_group(
+                init_method=f"tcp://{host}:{env.master_port}",
+                rank=env.rank,
+                world_size=env.world_size,
+                **kwargs,
+            )
+    except dist.DistStoreError as exc:  # the rendezvous timed out: not every rank came
+        raise RuntimeError(_rendezvous_help(env, timeout)) from exc
     return TorchComm(transport=transport)
+
+
+def _rendezvous_help(env: LaunchEnv, timeout: timedelta) -> str:
+    """Why a rendezvous could time out, for this launcher."""
+    started = (
+        "a Slurm batch script runs once; its processes start with `srun` (one task per rank: "
+        "`srun python train.py` inside `sbatch --ntasks N`), and run without srun it is one "
+        "process that waits for the others"
+        if env.launcher == "slurm" else
+        "every process must be started (torchrun --nnodes N on every node, with the same "
+        "--rdzv-endpoint) and reach the rendezvous host"
+    )
+    return (
+        f"rank {env.rank} of {env.world_size} waited {timeout.total_seconds():g} s at the "
+        f"rendezvous ({env.master_addr}:{env.master_port}, launcher {env.launcher}) and not "
+        f"every rank arrived: {started}"
+    )
 
 
 RESTART_STORE_HELP = (

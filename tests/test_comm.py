@@ -779,6 +779,30 @@ def test_init_distributed_from_torchrun_env(bare_env: pytest.MonkeyPatch) -> Non
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize("launcher", ["slurm", "torchrun"])
+def test_a_rendezvous_nobody_else_joins_says_how_ranks_start(
+    bare_env: pytest.MonkeyPatch, launcher: str
+) -> None:
+    """An sbatch script run without `srun` is one process of SLURM_NTASKS: it waited the whole
+    timeout and failed with torch's "1/2 clients joined" (a probe). The error says how each
+    launcher starts every rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    names = (("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if launcher == "slurm"
+             else ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    for name, value in zip(names, ("0", "2", "0"), strict=True):
+        bare_env.setenv(name, value)
+    bare_env.setenv("MASTER_ADDR", "127.0.0.1")
+    bare_env.setenv("MASTER_PORT", str(port))
+    with pytest.raises(RuntimeError) as info:
+        init_distributed(backend="gloo", timeout=timedelta(seconds=1))
+    assert isinstance(info.value.__cause__, dist.DistStoreError)
+    assert f"rank 0 of 2 waited 1 s at the rendezvous (127.0.0.1:{port}" in str(info.value)
+    assert ("srun" if launcher == "slurm" else "torchrun --nnodes") in str(info.value)
+    assert not dist.is_initialized()
+
+
 def test_init_distributed_names_missing_variable(bare_env: pytest.MonkeyPatch) -> None:
     bare_env.setenv("RANK", "0")
     with pytest.raises(ValueError, match="WORLD_SIZE is not set"):
@@ -805,3 +829,29 @@ def test_nccl_every_collective(bare_env: pytest.MonkeyPatch) -> None:
         torch.cuda.synchronize()
         exact(res[0], inputs[0])
         cb.fingerprint_body(comm, ["same"])
+
+
+@pytest.mark.parametrize(("world", "named"), [
+    (2, "the connection to rank 1 (the only other rank) broke: it most likely exited"),
+    (3, "a connection to another rank broke: one most likely exited or crashed"),
+])
+def test_a_broken_connection_says_which_rank_it_can_be(world: int, named: str) -> None:
+    """gloo names only the peer's address when a rank dies ("Connection reset by peer
+    [127.0.0.1]:8357"); with two ranks the dead one can only be the other (a probe saw a
+    rank's death reported by address only)."""
+    comm = fcomm.CommBase(0, world)  # the error context every implementation shares
+
+    def start() -> None:
+        raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:8357: Connection reset by peer")
+
+    with pytest.raises(fcomm.CollectiveError) as info:
+        comm._named("all_gather", "of the step statistics", start)
+    assert not isinstance(info.value, fcomm.CollectiveTimeout)
+    assert named in str(info.value)
+
+    def other() -> None:
+        raise RuntimeError("input sizes differ")
+
+    with pytest.raises(fcomm.CollectiveError) as info:
+        comm._named("all_gather", None, other)
+    assert "broke" not in str(info.value)
