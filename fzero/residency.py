@@ -633,7 +633,10 @@ _DATA_PROPERTIES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
 """Properties that give a view of the data: reading them gathers, as any other read."""
 
 
+@functools.lru_cache(maxsize=4096)
 def _reads_data(func: Any) -> bool:
+    """Whether torch function `func` reads its tensors' data (a pure function of `func`,
+    remembered: the guard asks for every torch call of a step)."""
     name = getattr(func, "__name__", "")
     if name == "__get__":  # a property: .grad or .shape read nothing, .T views the data
         return getattr(getattr(func, "__self__", None), "__name__", "") in _DATA_PROPERTIES
@@ -650,18 +653,23 @@ class _Guard(TorchFunctionMode):
         self.model = model
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         residency = self.residency
         if _reads_data(func):
             bucket_of = residency.bucket_of
-            for value in (*args, *kwargs.values()):
+            for value in (*args, *kwargs.values()) if kwargs else args:
                 for item in value if isinstance(value, list | tuple) else (value,):
+                    if not isinstance(item, Tensor):
+                        continue
                     index = bucket_of.get(id(item))
-                    if index is None and isinstance(item, Tensor) and item._base is not None:
-                        index = bucket_of.get(id(item._base))  # a view of a parameter, kept
+                    if index is None:
+                        base = item._base
+                        if base is not None:  # a view of a parameter, kept
+                            index = bucket_of.get(id(base))
                     if index is not None:
                         residency.read(index)
-                    elif residency.inflight and isinstance(item, Tensor):
+                    elif residency.inflight:
                         residency.settle(item)
         try:
             return func(*args, **kwargs)
