@@ -123,6 +123,9 @@ def export_pretrained(state, model: nn.Module, tokenizer, out_dir: str, rank: in
     with torch.no_grad():
         for name, p in trained.named_parameters():
             p.copy_(params[name])
+        for name, b in trained.named_buffers():  # what the steps updated (replicated)
+            if name in state.buffers:
+                b.copy_(state.buffers[name])
     trained.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

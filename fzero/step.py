@@ -432,7 +432,10 @@ def full_params(state: ShardState, *, master: bool = False) -> dict[str, Tensor]
             compute-dtype parameters.
 
     Returns:
-        Names (aliases included) to new tensors (not views of the state).
+        Names (aliases included) to new tensors (not views of the state). Parameters only:
+        the buffers, replicated on every rank, are ``state.buffers`` (by their
+        ``named_buffers()`` names, non-persistent ones included: a ``state_dict`` has only the
+        persistent ones).
     """
     check_live(state, "full_params")
     comm = state.config.comm
