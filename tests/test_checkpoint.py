@@ -940,6 +940,44 @@ def test_overwrite_replaces_atomically(tmp_path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
+@pytest.mark.parametrize("when", ["before verifying", "after verifying"])
+def test_a_load_overlapping_an_overwriting_save_raises(tmp_path, monkeypatch, when) -> None:
+    """An eval job loading "last" while training overwrites it: the load read the old manifest
+    and then opened shard files by name from the directory renamed into place, and returned
+    the new weights and moments under the old step and settings, without an error (a probe saw
+    33 such mixes in 178 loads). The directory is now pinned: replaced during a load, every
+    rank raises."""
+    import shutil
+
+    from fzero.checkpoint import loading
+
+    old, new = str(tmp_path / "last"), str(tmp_path / "next")
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 1, old, stage=3)
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 3, new, stage=3)
+    real_verify = loading.verify
+
+    def overwrite() -> None:  # what save(overwrite=True) does: a rename into place
+        os.rename(old, old + ".old")
+        shutil.copytree(new, old)
+        shutil.rmtree(old + ".old")
+
+    def verify(path: str, manifest: Any, comm: Any, **kwargs: Any) -> None:
+        if when == "before verifying" and comm.rank == 0:
+            overwrite()
+        comm.barrier()
+        real_verify(path, manifest, comm, **kwargs)
+        if when == "after verifying" and comm.rank == 0:
+            overwrite()
+        comm.barrier()
+
+    monkeypatch.setattr(loading, "verify", verify)
+    for message in load_errors(old):
+        assert "was replaced while it was being loaded" in message, message
+    monkeypatch.setattr(loading, "verify", real_verify)
+    assert fzero.SimWorld(2).run(lambda comm: fzero.load(old, model=TinyGPT(), comm=comm).step
+                                 ) == [3, 3]  # loading it again reads the new one
+
+
 # ----------------------------------------------------------------------------------------------
 # gloo processes
 

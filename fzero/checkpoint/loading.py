@@ -98,7 +98,10 @@ def load(
     path = os.fspath(path)
     check_comm(comm, "load")
     check_dtypes(param_dtype=param_dtype, master_dtype=master_dtype, reduce_dtype=reduce_dtype)
+    identity = _identity(path)
     manifest = read_manifest(path)
+    if _identity(path) != identity:
+        raise CheckpointError(_replaced(path))
     saved = manifest.state
     stage = manifest.stage if stage is None else stage
     if isinstance(stage, bool) or stage not in STAGES:
@@ -120,7 +123,12 @@ def load(
     buffer_names = _check_buffers(path, manifest, model)
     fingerprint_check(comm, layout.fingerprint, "layout fingerprint",
                       parts=layout.parts())
-    verify(path, manifest, comm, checksums=verify_checksums)
+    try:
+        verify(path, manifest, comm, checksums=verify_checksums)
+    except CheckpointError:
+        if _identity(path) != identity:  # new files under the old manifest: not damage
+            raise CheckpointError(_replaced(path)) from None
+        raise
 
     # Each rank's own buffers (they differ under buffers="local"); at another N, rank 0's.
     own_buffers = comm.rank if manifest.world_size == comm.world_size else 0
@@ -139,8 +147,24 @@ def load(
         )
         if restore_rng and manifest.world_size == comm.world_size:
             reader.restore_rng(comm.rank, device)
-    _check_finite(path, state, comm)
+    _check_loaded(path, state, comm, replaced=_identity(path) != identity)
     return state
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """Which directory `path` names now (device, inode): a save with ``overwrite=True``
+    renames a new directory into place, so a load that overlaps it sees another one."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _replaced(path: str) -> str:
+    return (f"{path} was replaced while it was being loaded (a save with overwrite=True to the "
+            f"same path, e.g. by the training job): what was read may mix the two checkpoints, "
+            f"so nothing was loaded. Load it again (or load a path no job overwrites)")
 
 
 class Reader:
@@ -212,9 +236,10 @@ class Reader:
         return record.key(kind, old_bucket)
 
 
-def _check_finite(path: str, state: ShardState, comm: Comm) -> None:
-    """Every rank raises if any rank loaded a NaN or infinite parameter (caught here, before
-    training could spread it), naming the parameters this rank found."""
+def _check_loaded(path: str, state: ShardState, comm: Comm, *, replaced: bool) -> None:
+    """Every rank raises if on any rank the checkpoint directory was `replaced` during the load
+    (`_replaced`), or any rank loaded a NaN or infinite parameter (caught here, before training
+    could spread it), naming the parameters this rank found."""
     bad = []
     for flat, bucket in zip(state.params, state.layout.buckets, strict=True):
         if not flat.is_floating_point() or all_finite(flat):
@@ -224,10 +249,13 @@ def _check_finite(path: str, state: ShardState, comm: Comm) -> None:
             start, end = max(entry.offset - lo, 0), min(entry.end - lo, flat.numel())
             if start < end and not all_finite(flat[start:end]):
                 bad.append(entry.name)
-    flag = torch.tensor([float(bool(bad))], dtype=torch.float64,
-                        device=getattr(comm, "device", "cpu"))
-    comm.all_reduce(flag, op="max", label="of whether the loaded parameters are finite")
-    if flag.item():
+    flags = torch.tensor([float(replaced), float(bool(bad))], dtype=torch.float64,
+                         device=getattr(comm, "device", "cpu"))
+    comm.all_reduce(flags, op="max", label="of whether the loaded parameters are finite")
+    somewhere_replaced, nonfinite = flags.tolist()
+    if somewhere_replaced:
+        raise CheckpointError(_replaced(path))
+    if nonfinite:
         raise CheckpointError(
             f"{path}: loaded parameters hold NaN or infinite values "
             f"({_short(bad) if bad else 'in the part another rank loaded'}); the checkpoint "
