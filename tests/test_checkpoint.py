@@ -972,10 +972,22 @@ def test_a_load_overlapping_an_overwriting_save_raises(tmp_path, monkeypatch, wh
 
     monkeypatch.setattr(loading, "verify", verify)
     for message in load_errors(old):
-        assert "was replaced while it was being loaded" in message, message
+        assert "was replaced while it was being read" in message, message
     monkeypatch.setattr(loading, "verify", real_verify)
     assert fzero.SimWorld(2).run(lambda comm: fzero.load(old, model=TinyGPT(), comm=comm).step
                                  ) == [3, 3]  # loading it again reads the new one
+
+    # The offline tools (one process) raise where they would open a file of the new one.
+    real_file = loading.Reader.file
+
+    def file_after_overwrite(reader: Any, rank: int) -> Any:
+        if rank == 1:
+            overwrite()
+        return real_file(reader, rank)
+
+    monkeypatch.setattr(loading.Reader, "file", file_after_overwrite)  # replaced again
+    with pytest.raises(CheckpointError, match="was replaced while it was being read"):
+        fzero.consolidate(old)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from fzero.bound import buffer_aliases, module_versions, requires_grad_flags
 from fzero.checkpoint import record
 from fzero.checkpoint.files import ShardFile
-from fzero.checkpoint.manifest import CheckpointError, Manifest, read_manifest
+from fzero.checkpoint.manifest import CheckpointError, Manifest, Pin, read_pinned
 from fzero.checkpoint.mapping import compare, reads
 from fzero.checkpoint.verify import verify
 from fzero.comm import Comm, check_comm, fingerprint_check
@@ -98,10 +98,7 @@ def load(
     path = os.fspath(path)
     check_comm(comm, "load")
     check_dtypes(param_dtype=param_dtype, master_dtype=master_dtype, reduce_dtype=reduce_dtype)
-    identity = _identity(path)
-    manifest = read_manifest(path)
-    if _identity(path) != identity:
-        raise CheckpointError(_replaced(path))
+    manifest, pin = read_pinned(path)
     saved = manifest.state
     stage = manifest.stage if stage is None else stage
     if isinstance(stage, bool) or stage not in STAGES:
@@ -123,12 +120,7 @@ def load(
     buffer_names = _check_buffers(path, manifest, model)
     fingerprint_check(comm, layout.fingerprint, "layout fingerprint",
                       parts=layout.parts())
-    try:
-        verify(path, manifest, comm, checksums=verify_checksums)
-    except CheckpointError:
-        if _identity(path) != identity:  # new files under the old manifest: not damage
-            raise CheckpointError(_replaced(path)) from None
-        raise
+    verify(path, manifest, comm, checksums=verify_checksums, pin=pin)
 
     # Each rank's own buffers (they differ under buffers="local"); at another N, rank 0's.
     own_buffers = comm.rank if manifest.world_size == comm.world_size else 0
@@ -147,36 +139,26 @@ def load(
         )
         if restore_rng and manifest.world_size == comm.world_size:
             reader.restore_rng(comm.rank, device)
-    _check_loaded(path, state, comm, replaced=_identity(path) != identity)
+    # A rank's files may have been opened after the directory was replaced: every rank
+    # learns of it (the reads themselves do not raise, so the ranks stay in step).
+    _check_loaded(path, state, comm, pin)
     return state
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    """Which directory `path` names now (device, inode): a save with ``overwrite=True``
-    renames a new directory into place, so a load that overlaps it sees another one."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _replaced(path: str) -> str:
-    return (f"{path} was replaced while it was being loaded (a save with overwrite=True to the "
-            f"same path, e.g. by the training job): what was read may mix the two checkpoints, "
-            f"so nothing was loaded. Load it again (or load a path no job overwrites)")
 
 
 class Reader:
     """Reads a checkpoint's stored values into tensors of a (possibly different) layout.
 
-    Shard files are opened on first use and closed with the reader.
+    Shard files are opened on first use and closed with the reader; with a `pin`, opening one
+    raises if the directory was replaced since the manifest was read (one process: the
+    offline tools; a load checks every rank's `Pin` together at its end).
     """
 
-    def __init__(self, path: str, manifest: Manifest, layout: ShardLayout) -> None:
+    def __init__(self, path: str, manifest: Manifest, layout: ShardLayout,
+                 pin: Pin | None = None) -> None:
         self.path = path
         self.manifest = manifest
         self.layout = layout
+        self.pin = pin
         self._located = manifest.layout.locate()
         self._master = set(manifest.state["master"])
         self._files: dict[int, ShardFile] = {}
@@ -192,6 +174,8 @@ class Reader:
     def file(self, rank: int) -> ShardFile:
         """The shard file of saved rank `rank`."""
         if rank not in self._files:
+            if self.pin is not None:
+                self.pin.check()
             entry = self.manifest.files[rank]
             self._files[rank] = ShardFile(os.path.join(self.path, entry.name))
         return self._files[rank]
@@ -236,9 +220,9 @@ class Reader:
         return record.key(kind, old_bucket)
 
 
-def _check_loaded(path: str, state: ShardState, comm: Comm, *, replaced: bool) -> None:
-    """Every rank raises if on any rank the checkpoint directory was `replaced` during the load
-    (`_replaced`), or any rank loaded a NaN or infinite parameter (caught here, before training
+def _check_loaded(path: str, state: ShardState, comm: Comm, pin: Pin) -> None:
+    """Every rank raises if on any rank the checkpoint directory was replaced during the load
+    (`Pin`), or any rank loaded a NaN or infinite parameter (caught here, before training
     could spread it), naming the parameters this rank found."""
     bad = []
     for flat, bucket in zip(state.params, state.layout.buckets, strict=True):
@@ -249,12 +233,12 @@ def _check_loaded(path: str, state: ShardState, comm: Comm, *, replaced: bool) -
             start, end = max(entry.offset - lo, 0), min(entry.end - lo, flat.numel())
             if start < end and not all_finite(flat[start:end]):
                 bad.append(entry.name)
-    flags = torch.tensor([float(replaced), float(bool(bad))], dtype=torch.float64,
+    flags = torch.tensor([float(pin.moved), float(bool(bad))], dtype=torch.float64,
                          device=getattr(comm, "device", "cpu"))
     comm.all_reduce(flags, op="max", label="of whether the loaded parameters are finite")
     somewhere_replaced, nonfinite = flags.tolist()
     if somewhere_replaced:
-        raise CheckpointError(_replaced(path))
+        raise pin.error()
     if nonfinite:
         raise CheckpointError(
             f"{path}: loaded parameters hold NaN or infinite values "

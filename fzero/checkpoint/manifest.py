@@ -33,9 +33,11 @@ __all__ = [
     "CheckpointError",
     "FileEntry",
     "Manifest",
+    "Pin",
     "check_json",
     "latest",
     "read_manifest",
+    "read_pinned",
     "shard_name",
 ]
 
@@ -169,6 +171,53 @@ class Manifest:
 def shard_name(rank: int, world_size: int) -> str:
     """The file name of rank `rank`'s shards."""
     return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+class Pin:
+    """The directory a checkpoint path named when its manifest was read (device, inode).
+
+    `fzero.save` with ``overwrite=True`` renames a new directory into place: a reader that
+    opened shard files by name after that would read the new files under the old manifest.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.identity = _identity(path)
+
+    @property
+    def moved(self) -> bool:
+        """Whether `path` now names another directory (or none)."""
+        return _identity(self.path) != self.identity
+
+    def check(self) -> None:
+        """Raise `error()` if `moved`."""
+        if self.moved:
+            raise self.error()
+
+    def error(self) -> CheckpointError:
+        """The error for a checkpoint replaced while it was being read."""
+        return CheckpointError(
+            f"{self.path} was replaced while it was being read (a save with overwrite=True to "
+            f"the same path, e.g. by the training job): what was read may mix the two "
+            f"checkpoints, so nothing was loaded. Read it again (or read a path no job "
+            f"overwrites)")
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def read_pinned(path: str | os.PathLike[str]) -> tuple[Manifest, Pin]:
+    """`read_manifest`, and a `Pin` of the directory it was read from."""
+    path = os.fspath(path)
+    pin = Pin(path)
+    manifest = read_manifest(path)
+    pin.check()
+    return manifest, pin
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:

@@ -28,7 +28,7 @@ from fzero.checkpoint.manifest import (
     CheckpointError,
     FileEntry,
     Manifest,
-    read_manifest,
+    read_pinned,
     shard_name,
 )
 from fzero.checkpoint.mapping import regroup
@@ -74,11 +74,11 @@ def consolidate(
         raise TypeError(f"consolidate: model must be an nn.Module or None, got "
                         f"{type(model).__name__}")
     path = os.fspath(path)
-    manifest = read_manifest(path)
-    verify(path, manifest, checksums=verify_checksums)
+    manifest, pin = read_pinned(path)
+    verify(path, manifest, checksums=verify_checksums, pin=pin)
     layout = manifest.layout
     out: dict[str, Tensor] = {}
-    with Reader(path, manifest, layout) as reader:
+    with Reader(path, manifest, layout, pin) as reader:
         for index, bucket in enumerate(layout.buckets):
             dtype = _master_dtype(manifest) if master and bucket.trainable else bucket.torch_dtype
             flat = torch.empty(bucket.numel, dtype=dtype)
@@ -135,15 +135,15 @@ def export(
     """
     path = os.fspath(path)
     out_dir = os.fspath(out_dir)
-    manifest = read_manifest(path)
-    verify(path, manifest, checksums=verify_checksums)
+    manifest, pin = read_pinned(path)
+    verify(path, manifest, checksums=verify_checksums, pin=pin)
     names = None if model is None else _model_keys(path, manifest, model)
     tensors = _plan_tensors(manifest, names, dtype)
     groups = _split(tensors, max_shard_size)
     os.makedirs(out_dir, exist_ok=True)
     written = []
     bar = _Progress(sum(t.spec.nbytes for t in tensors), "export", enabled=progress)
-    with Reader(path, manifest, manifest.layout) as reader:
+    with Reader(path, manifest, manifest.layout, pin) as reader:
         for number, group in enumerate(groups, start=1):
             name = ("model.safetensors" if len(groups) == 1
                     else f"model-{number:05d}-of-{len(groups):05d}.safetensors")
@@ -179,13 +179,13 @@ def write_model(
 ) -> None:
     """Stream every parameter name and buffer of a checkpoint into one safetensors file."""
     path = os.fspath(path)
-    manifest = read_manifest(path)
-    verify(path, manifest)
+    manifest, pin = read_pinned(path)
+    verify(path, manifest, pin=pin)
     if master:
         dtype = dtype or _master_dtype(manifest)
     tensors = _plan_tensors(manifest, None, dtype)
     bar = _Progress(sum(t.spec.nbytes for t in tensors), "consolidate", enabled=progress)
-    with Reader(path, manifest, manifest.layout) as reader:
+    with Reader(path, manifest, manifest.layout, pin) as reader:
         write_file(target, [t.spec for t in tensors], _values(reader, tensors, bar),
                    {"format": "pt"})
     bar.close()
@@ -221,12 +221,12 @@ def reshard(
         The new checkpoint's manifest.
     """
     src, dst = os.fspath(src), os.path.abspath(os.fspath(dst))
-    manifest = read_manifest(src)
+    manifest, pin = read_pinned(src)
     if stage is not None and (isinstance(stage, bool) or stage not in STAGES):
         raise ValueError(f"stage must be one of {STAGES}, got {stage=}")
     if os.path.exists(dst):
         raise CheckpointError(f"{dst} exists: reshard writes a new checkpoint")
-    verify(src, manifest, checksums=verify_checksums)
+    verify(src, manifest, checksums=verify_checksums, pin=pin)
     old = manifest.layout
     layout = regroup(old, world_size, buckets)
     saved = dict(manifest.state)
@@ -248,7 +248,7 @@ def reshard(
                 for s in record.file_specs(layout, new, manifest.buffers, r))
     bar = _Progress(total, "reshard", enabled=progress)
     files = []
-    with Reader(src, manifest, layout) as reader:
+    with Reader(src, manifest, layout, pin) as reader:
         for rank in range(world_size):
             specs = record.file_specs(layout, new, manifest.buffers, rank)
             rng = manifest.files[rank].rng if keep_rng else ()

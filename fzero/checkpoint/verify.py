@@ -18,7 +18,7 @@ import torch
 
 from fzero.checkpoint import record
 from fzero.checkpoint.files import ShardFile, crc32
-from fzero.checkpoint.manifest import CheckpointError, FileEntry, Manifest
+from fzero.checkpoint.manifest import CheckpointError, FileEntry, Manifest, Pin
 from fzero.comm import Comm
 
 __all__ = ["verify"]
@@ -27,7 +27,8 @@ _OK, _HEADER, _CHECKSUM = 0, 1, 2
 
 
 def verify(
-    path: str, manifest: Manifest, comm: Comm | None = None, *, checksums: bool = True
+    path: str, manifest: Manifest, comm: Comm | None = None, *, checksums: bool = True,
+    pin: Pin | None = None,
 ) -> None:
     """Raise `CheckpointError` naming the first bad file of checkpoint `path`, if any.
 
@@ -37,7 +38,19 @@ def verify(
         comm: share the work over these ranks (a collective: all must call); None: this
             process checks every file.
         checksums: also read every byte and compare CRC-32s (headers are always checked).
+        pin: the directory the manifest was read from: if `path` names another one now, a
+            file that does not match is not damage but another checkpoint, and the error
+            says so (`Pin.error`).
     """
+    try:
+        _verify(path, manifest, comm, checksums)
+    except CheckpointError:
+        if pin is not None and pin.moved:
+            raise pin.error() from None
+        raise
+
+
+def _verify(path: str, manifest: Manifest, comm: Comm | None, checksums: bool) -> None:
     for entry in manifest.files:
         _check_present(path, entry)
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world_size)
