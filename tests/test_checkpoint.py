@@ -858,6 +858,42 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch) -> 
     assert_state_equal(after["loaded"], before["saved"], exact=True)
 
 
+def _odd_save_body(comm: Any, path: str, odd: dict[str, Any]) -> tuple[str, str]:
+    """Init and save; rank 1 passes `odd` to save besides (the others nothing)."""
+    state = fzero.init(TinyGPT(), stage=3, optimizer=fzero.optim.adamw(lr=0.01), comm=comm)
+    try:
+        fzero.save(state, path, overwrite=True, **(odd if comm.rank == 1 else {}))
+    except (CheckpointError, TypeError) as error:
+        return type(error).__name__, str(error)
+    return "saved", ""
+
+
+@pytest.mark.parametrize(("odd", "named"), [
+    ({"optimizer_state": False}, "they differ in: optimizer_state (this rank: "),
+    ({"extra": {"x": object()}}, "extra= of rank(s) [1] is not JSON data"),
+])
+def test_ranks_that_save_differently_raise_and_keep_the_checkpoint(tmp_path, odd, named) -> None:
+    """Each rank writes its own file, rank 0 describes them all: a rank saving without its
+    optimizer state wrote a checkpoint that "saved" but could not be loaded, deleting the good
+    one (overwrite=True); a rank whose extra= is not JSON left the others in a collective that
+    failed with "connection closed" (a probe). Every rank now raises before anything is
+    written, and the previous checkpoint stays."""
+    path = str(tmp_path / "c")
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 2, path, stage=3)
+    before = {name: os.path.getmtime(os.path.join(path, name)) for name in os.listdir(path)}
+    outcomes = fzero.SimWorld(2).run(_odd_save_body, path, odd)
+    if "extra" in odd:
+        assert outcomes[1][0] == "TypeError"
+        assert outcomes[0][0] == "CheckpointError" and named in outcomes[0][1]
+    else:
+        for kind, message in outcomes:
+            assert kind == "CheckpointError" and named in message, message
+            assert "nothing was written" in message
+    assert sorted(os.listdir(tmp_path)) == ["c"]  # no partial directory left either
+    assert {n: os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)} == before
+    assert read_manifest(path).step == 2
+
+
 def test_save_refuses_to_overwrite_unless_asked(tmp_path) -> None:
     from checkpoint_bodies import save_error_body
 

@@ -38,7 +38,7 @@ from fzero.checkpoint.manifest import (
     check_json,
     shard_name,
 )
-from fzero.comm import Comm
+from fzero.comm import Comm, fingerprint_check
 from fzero.state import ShardState, check_live
 
 __all__ = ["fzero_version", "save"]
@@ -82,20 +82,44 @@ def save(
         raise TypeError(f"save needs a ShardState (from fzero.init or fzero.load), got "
                         f"{type(state).__name__}")
     comm = state.config.comm
+    bad_extra: TypeError | None = None
+    try:
+        extra = check_json(extra)
+    except TypeError as error:  # raised below, on every rank
+        bad_extra = error
     # A consumed state (one a train step updated in place) would be stored under the wrong
-    # step, and a resume would repeat a step; every rank learns whether any rank's is.
-    consumed = [row[0] for row in _gather(comm, [state.lease.consumed_by or 0])]
+    # step, and a resume would repeat a step; every rank learns whether any rank's is, and
+    # whether any rank's `extra` is no JSON data.
+    rows = _gather(comm, [state.lease.consumed_by or 0, int(bad_extra is not None)])
+    consumed = [row[0] for row in rows]
     if any(consumed):
         if state.lease.consumed_by is not None:
             check_live(state, "save")  # raises this rank's own error
         raise CheckpointError(
             f"save: the state of rank(s) {[r for r, c in enumerate(consumed) if c]} was "
             f"consumed by a train step; save the state that step returned")
+    if any(row[1] for row in rows):
+        if bad_extra is not None:
+            raise bad_extra
+        raise CheckpointError(
+            f"save: extra= of rank(s) {[r for r, row in enumerate(rows) if row[1]]} is not JSON "
+            f"data (their own error says why); nothing was written")
     path = os.path.abspath(os.fspath(path))
     partial = path + PARTIAL_SUFFIX
-    extra = check_json(extra)
     described = record.describe(state, optimizer_state=optimizer_state)
     buffers = record.describe_buffers(state)
+    # Every rank writes its own file from its own arguments, and rank 0 describes them all in
+    # the manifest: ranks that disagree would write a checkpoint that cannot be loaded.
+    # (param_dtype=None and the model's own dtype build the same layout: rank 0's is recorded)
+    call = {"path": path, "optimizer_state": repr(optimizer_state),
+            "overwrite": repr(overwrite), "the layout": state.layout.fingerprint,
+            "the state's description (step, optimizer, dtypes, loss scale)": repr(
+                {k: v for k, v in described.items() if k != "param_dtype"}),
+            "the buffers": repr(buffers)}
+    try:
+        fingerprint_check(comm, repr(tuple(call.values())), "save call", parts=call)
+    except ValueError as error:
+        raise CheckpointError(f"save: {error}; nothing was written") from None
 
     # 1. rank 0 prepares the partial directory; everyone learns whether it could.
     code, failure = _prepare(path, partial, overwrite) if comm.rank == 0 else (_OK, None)
