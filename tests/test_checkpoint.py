@@ -428,6 +428,21 @@ print(json.dumps({"peak": _status_bytes("VmHWM") - base, "kept": kept}))
 """
 
 
+def test_reshard_deletes_no_folder_of_the_users_at_its_partial_path(saved_runs, tmp_path):
+    """reshard writes into `<dst>.partial` first and deleted whatever was there, a user's own
+    folder included (a probe); like save, it deletes only an interrupted run's files."""
+    source, dst = saved_runs[3, 1]["path"], str(tmp_path / "n4")
+    os.makedirs(dst + ".partial")
+    (tmp_path / "n4.partial" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="n4.partial holds other files than a"):
+        fzero.checkpoint.reshard(source, dst, world_size=4)
+    assert (tmp_path / "n4.partial" / "notes.txt").read_text() == "mine"
+    (tmp_path / "n4.partial" / "notes.txt").unlink()
+    (tmp_path / "n4.partial" / "shard-00000-of-00004.safetensors").write_bytes(b"half")
+    assert fzero.checkpoint.reshard(source, dst, world_size=4).world_size == 4  # leftovers go
+    assert sorted(os.listdir(tmp_path)) == ["n4"]
+
+
 @pytest.mark.slow
 def test_consolidate_reshard_and_load_memory_is_one_bucket_plus_the_output(tmp_path) -> None:
     """Measured peak RSS (a fresh process): consolidate holds its output plus at most one

@@ -32,7 +32,7 @@ from fzero.checkpoint.manifest import (
     shard_name,
 )
 from fzero.checkpoint.mapping import regroup
-from fzero.checkpoint.saving import fzero_version
+from fzero.checkpoint.saving import fzero_version, only_a_saves_files
 from fzero.checkpoint.verify import verify
 from fzero.layout import ShardLayout
 from fzero.state import STAGES
@@ -242,7 +242,10 @@ def reshard(
     }
     keep_rng = world_size == manifest.world_size
     partial = dst + PARTIAL_SUFFIX
-    shutil.rmtree(partial, ignore_errors=True)
+    if not only_a_saves_files(partial):
+        raise CheckpointError(f"{partial} holds other files than a checkpoint's, and reshard "
+                              f"would delete them (it writes there first): move it away")
+    shutil.rmtree(partial, ignore_errors=True)  # an interrupted reshard's leftovers
     os.makedirs(partial)
     total = sum(s.nbytes for r in range(world_size)
                 for s in record.file_specs(layout, new, manifest.buffers, r))

@@ -41,7 +41,7 @@ from fzero.checkpoint.manifest import (
 from fzero.comm import Comm, fingerprint_check
 from fzero.state import ShardState, check_live
 
-__all__ = ["fzero_version", "save"]
+__all__ = ["fzero_version", "only_a_saves_files", "save"]
 
 _OK, _EXISTS, _FAILED, _NOT_CHECKPOINT = 0, 1, 2, 3  # rank 0's verdicts, broadcast
 _SHARD_FILE = re.compile(r"shard-\d{5}-of-\d{5}\.safetensors")
@@ -191,7 +191,7 @@ def _prepare(path: str, partial: str, overwrite: bool) -> tuple[int, str | None]
     if os.path.lexists(path) and not (os.path.isdir(path) and not os.path.islink(path)
                                       and os.path.isfile(os.path.join(path, MANIFEST))):
         return _NOT_CHECKPOINT, None
-    if not _only_a_saves_files(partial):
+    if not only_a_saves_files(partial):
         return _FAILED, (f"{partial} holds other files than a save writes, and a save would "
                          f"delete them (it writes there first): move it away")
     try:
@@ -211,7 +211,7 @@ def _publish(manifest: Manifest, path: str, partial: str) -> str | None:
         _fsync_dir(partial)
         if os.path.exists(path):
             old = path + ".old"
-            if not _only_a_saves_files(old):
+            if not only_a_saves_files(old):
                 return (f"cannot publish {path}: {old} holds other files than a checkpoint's, "
                         f"and overwrite=True would delete them (it renames {path} there for a "
                         f"moment): move it away; the new checkpoint waits in {partial}")
@@ -227,7 +227,7 @@ def _publish(manifest: Manifest, path: str, partial: str) -> str | None:
     return None
 
 
-def _only_a_saves_files(directory: str) -> bool:
+def only_a_saves_files(directory: str) -> bool:
     """Whether `directory` is absent, or a directory that holds nothing but what a save writes
     (the manifest, shard files): the leftovers of an interrupted or superseded save, which a
     save deletes. Anything else there (a user's own ``<path>.old``) is not deleted."""
