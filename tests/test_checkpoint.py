@@ -651,13 +651,41 @@ def test_not_a_checkpoint(tmp_path, no_state_built) -> None:
             fzero.consolidate(tmp_path / name)
 
 
-def edit_manifest(path: str, edit: Any) -> None:
+def edit_manifest(path: str, edit: Any, *, reseal: bool = True) -> None:
+    """Edit a checkpoint's manifest as a writer would have written it (`reseal`: with the
+    checksum of its new content), or as damage would (not resealed)."""
+    from fzero.checkpoint import manifest
+
     where = os.path.join(path, "manifest.json")
     with open(where) as f:
         doc = json.load(f)
     edit(doc)
+    if reseal:
+        doc["crc32"] = manifest._doc_crc32(doc)
     with open(where, "w") as f:
         json.dump(doc, f)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda doc: doc["state"].update(step=doc["state"]["step"] - 1),  # b'3' -> b'2': one bit
+    lambda doc: doc["state"]["optimizer"]["hyperparameters"].update(lr=0.5),
+    lambda doc: doc["files"][1].update(crc32=doc["files"][1]["crc32"] ^ 1),
+    lambda doc: doc.update(crc32=doc["crc32"] ^ 1),
+])
+def test_a_damaged_manifest_fails_its_checksum(checkpoint, no_state_built, edit) -> None:
+    """The manifest was the one file without a checksum: a flipped bit in its step count
+    loaded silently and the resumed run trained differently (a probe)."""
+    edit_manifest(checkpoint, edit, reseal=False)
+    for message in load_errors(checkpoint):
+        assert "manifest.json fails its checksum" in message, message
+    with pytest.raises(CheckpointError, match="manifest.json fails its checksum"):
+        fzero.consolidate(checkpoint)
+
+
+def test_a_manifest_without_a_checksum_still_loads(checkpoint) -> None:
+    """Manifests written before fzero stored their checksum have none: they load as before."""
+    edit_manifest(checkpoint, lambda doc: doc.pop("crc32"), reseal=False)
+    assert read_manifest(checkpoint).step == 1
 
 
 def test_newer_format_version(checkpoint, no_state_built) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +112,7 @@ class Manifest:
             ],
             "extra": self.extra,
         }
+        doc["crc32"] = _doc_crc32(doc)
         return json.dumps(doc, indent=1)
 
     @classmethod
@@ -137,6 +139,15 @@ class Manifest:
                 f"{VERSION} this fzero reads (it was written by fzero "
                 f"{doc.get('fzero_version', '?')}): upgrade fzero to load it"
             )
+        if "crc32" in doc:  # (manifests written before fzero stored it have none)
+            stored = doc.pop("crc32")
+            if stored != _doc_crc32(doc):
+                shown = f"{stored:#010x}" if isinstance(stored, int) else repr(stored)
+                raise CheckpointError(
+                    f"{where} fails its checksum (CRC-32 of its content "
+                    f"{_doc_crc32(doc):#010x}, it records {shown}): the manifest is damaged "
+                    f"or was edited, and the step, settings and file list it gives cannot be "
+                    f"trusted")
         try:
             layout = ShardLayout.from_json(json.dumps(doc["layout"]))
             files = tuple(
@@ -166,6 +177,14 @@ class Manifest:
                 f"{layout.world_size}, files for ranks {[f.rank for f in files]}"
             )
         return manifest
+
+
+def _doc_crc32(doc: Mapping[str, Any]) -> int:
+    """CRC-32 of a manifest's content (every field but the CRC itself, in a canonical form:
+    sorted keys, no whitespace), so that one flipped bit anywhere in it is noticed."""
+    canonical = json.dumps({k: v for k, v in doc.items() if k != "crc32"}, sort_keys=True,
+                           separators=(",", ":"))
+    return zlib.crc32(canonical.encode())
 
 
 def shard_name(rank: int, world_size: int) -> str:
