@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -550,6 +551,38 @@ def test_export_casts_from_the_master_copy(tmp_path) -> None:
         assert bitwise_equal(half[name], saved["saved"]["params"][name]), name
 
 
+def test_export_into_an_earlier_export_replaces_its_weights(tmp_path) -> None:
+    """A single-file export over a sharded one (and back) left the other layout's files, and
+    loading took the earlier weights (model.safetensors wins over an index): a probe's
+    from_pretrained returned step 0's model after step 3's export. The earlier weight files
+    go; other files (a tokenizer, notes) stay."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    first, second, out = str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "out"
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 1, first, stage=2)
+    saved = fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 3, second,
+                                  stage=2)[0]["saved"]["params"]
+    for earlier, later in ((None, 4096), (4096, None)):
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        (out / "tokenizer.json").write_text("{}")
+        fzero.checkpoint.export(first, out, max_shard_size=earlier or 2**40)
+        fzero.checkpoint.export(second, out, max_shard_size=later or 2**40)
+        names = sorted(os.listdir(out))
+        assert "tokenizer.json" in names and not any(n.endswith(".tmp") for n in names)
+        if later is None:
+            assert [n for n in names if n.startswith("model")] == ["model.safetensors"]
+            loaded = safetensors.load_file(out / "model.safetensors")
+        else:
+            assert "model.safetensors" not in names
+            index = json.loads((out / "model.safetensors.index.json").read_text())
+            assert sorted(set(index["weight_map"].values())) == [
+                n for n in names if n.startswith("model-")]
+            loaded = {k: v for n in set(index["weight_map"].values())
+                      for k, v in safetensors.load_file(out / n).items()}
+        for name, value in saved.items():
+            assert bitwise_equal(loaded[name], value), name
+
+
 # ----------------------------------------------------------------------------------------------
 # Command line
 
@@ -1026,8 +1059,6 @@ def test_a_load_overlapping_an_overwriting_save_raises(tmp_path, monkeypatch, wh
     the new weights and moments under the old step and settings, without an error (a probe saw
     33 such mixes in 178 loads). The directory is now pinned: replaced during a load, every
     rank raises."""
-    import shutil
-
     from fzero.checkpoint import loading
 
     old, new = str(tmp_path / "last"), str(tmp_path / "next")

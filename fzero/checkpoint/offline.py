@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -104,7 +105,8 @@ def export(
     verify_checksums: bool = True,
     progress: bool = False,
 ) -> list[str]:
-    """Write a checkpoint's model as ``model.safetensors`` in `out_dir` (offline, streamed).
+    """Write a checkpoint's model as ``model.safetensors`` in `out_dir` (offline, streamed),
+    replacing the weight files of an earlier export there (other files stay).
 
     The result loads with ``model.load_state_dict(safetensors.torch.load_file(...),
     strict=True)`` and, for a Hugging Face model, ``from_pretrained(out_dir)``. Above
@@ -141,6 +143,13 @@ def export(
     tensors = _plan_tensors(manifest, names, dtype)
     groups = _split(tensors, max_shard_size)
     os.makedirs(out_dir, exist_ok=True)
+    # An earlier export's weights would be loaded instead of these (from_pretrained prefers
+    # model.safetensors to an index; a stale shard may be listed by neither): they go first,
+    # and each new file appears whole (written aside, renamed), the index last, so that an
+    # interrupted export leaves an incomplete set that fails to load, never old weights.
+    for name in os.listdir(out_dir):
+        if _EXPORTED.fullmatch(name):
+            os.remove(os.path.join(out_dir, name))
     written = []
     bar = _Progress(sum(t.spec.nbytes for t in tensors), "export", enabled=progress)
     with Reader(path, manifest, manifest.layout, pin) as reader:
@@ -148,8 +157,9 @@ def export(
             name = ("model.safetensors" if len(groups) == 1
                     else f"model-{number:05d}-of-{len(groups):05d}.safetensors")
             target = os.path.join(out_dir, name)
-            write_file(target, [t.spec for t in group], _values(reader, group, bar),
+            write_file(target + ".tmp", [t.spec for t in group], _values(reader, group, bar),
                        {"format": "pt"})
+            os.replace(target + ".tmp", target)
             written.append(target)
     bar.close()
     if len(groups) > 1:
@@ -159,8 +169,9 @@ def export(
                            for g, group in enumerate(groups) for t in group},
         }
         target = os.path.join(out_dir, "model.safetensors.index.json")
-        with open(target, "w") as f:
+        with open(target + ".tmp", "w") as f:
             json.dump(index, f, indent=2)
+        os.replace(target + ".tmp", target)
         written.append(target)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
@@ -277,6 +288,12 @@ def reshard(
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+_EXPORTED = re.compile(
+    r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?(\.tmp)?")
+"""The weight files `export` writes (and Hugging Face's save_pretrained), and their temporary
+names: what an earlier export into the same directory left."""
 
 
 class _Tensor(NamedTuple):
