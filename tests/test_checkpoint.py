@@ -608,6 +608,24 @@ def test_command_line(saved_runs, tmp_path, capsys) -> None:
     capsys.readouterr()
     assert main(["inspect", str(tmp_path)]) == 1
     assert "is not an fzero checkpoint: it has no manifest.json" in capsys.readouterr().err
+    # inspect checks the files' sizes and headers (it printed a damaged checkpoint as whole)
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(path, damaged)
+    with open(os.path.join(damaged, "shard-00001-of-00002.safetensors"), "r+b") as f:
+        f.truncate(100)
+    assert main(["inspect", damaged]) == 1
+    assert "shard-00001-of-00002.safetensors is 100 bytes" in capsys.readouterr().err
+
+
+def test_a_manifest_with_an_impossible_stage_or_step_names_the_file(checkpoint) -> None:
+    """Written with a valid checksum by a buggy writer: a stage outside 0-3 raised a bare
+    "stage must be one of" naming no file (a probe)."""
+    edit_manifest(checkpoint, lambda doc: doc["state"].update(stage=7))
+    with pytest.raises(CheckpointError, match=r"manifest.json is malformed: .*stage 7"):
+        read_manifest(checkpoint)
+    edit_manifest(checkpoint, lambda doc: doc["state"].update(stage=3, step=-1))
+    with pytest.raises(CheckpointError, match=r"manifest.json is malformed: .*step -1"):
+        read_manifest(checkpoint)
 
 
 def test_command_line_runs_as_a_module(saved_runs) -> None:

@@ -18,6 +18,7 @@ import torch
 from fzero import memory
 from fzero.checkpoint.manifest import CheckpointError, Manifest, read_manifest
 from fzero.checkpoint.offline import DEFAULT_MAX_SHARD_SIZE, export, reshard, write_model
+from fzero.checkpoint.verify import verify
 
 __all__ = ["describe", "main"]
 
@@ -91,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fzero.checkpoint",
                                  description="Inspect and convert fzero checkpoints.")
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="print step, layout, sizes and a memory table")
+    p = sub.add_parser("inspect", help="print step, layout, sizes and a memory table (after "
+                       "checking the files' sizes and headers; not their checksums)")
     p.add_argument("path")
     p.add_argument("--world-size", type=int, nargs="+", default=None,
                    help="world sizes for the memory table (default: 1, 2, 4, 8 and the saved)")
@@ -118,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             manifest = read_manifest(args.path)
+            verify(args.path, manifest, checksums=False)  # the files' sizes and headers
             sizes = args.world_size or sorted({1, 2, 4, 8, manifest.world_size})
             print(describe(args.path, manifest, sizes))
         elif args.command == "reshard":

@@ -165,6 +165,11 @@ class Manifest:
             for name in ("stage", "step", "master_dtype", "optimizer_state", "moments",
                          "master", "loss_scale", "bucket_order"):
                 manifest.state[name]  # noqa: B018 (presence check)
+            stage, step = manifest.state["stage"], manifest.state["step"]
+            if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+                raise ValueError(f"stage {stage!r} is not one of 0, 1, 2, 3")
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ValueError(f"step {step!r} is not a count of steps")
         except (KeyError, TypeError, ValueError) as error:
             raise CheckpointError(
                 f"{where} is malformed: {type(error).__name__}: {error}"
