@@ -182,3 +182,17 @@ def test_alias_leaves_write_through_to_the_flat_buffer():
     with torch.no_grad():
         leaves[1].fill_(7.0)
     assert flat[6:11].eq(7.0).all() and flat[:6].eq(0).all() and flat[11:].eq(0).all()
+
+
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.5, -2.0, float("inf"), float("-inf"),
+                                 float("nan")]), min_size=0, max_size=12),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]))
+def test_all_finite_is_isfinite_all(values: list[float], dtype: torch.dtype) -> None:
+    """`all_finite` (no tensor-sized temporary: the minimum and the maximum) agrees with
+    ``torch.isfinite(t).all()``, -inf included: a version that looked at the maximum only
+    passed every test (a mutation probe), and would have let -inf parameters through."""
+    from fzero.flat import all_finite
+
+    tensor = torch.tensor(values, dtype=dtype)
+    assert all_finite(tensor) == bool(torch.isfinite(tensor).all())
+    assert not all_finite(torch.tensor([1.0, float("-inf"), 2.0], dtype=dtype))

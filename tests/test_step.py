@@ -9,6 +9,8 @@ tests/step_bodies.py; references are computed here with `models.reference_train`
 from __future__ import annotations
 
 import collections
+import copy
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -888,3 +890,39 @@ def test_a_parameter_written_in_place_by_forward_raises(stage: int, accum_steps:
         # and the error says so.
         assert unchanged == (stage == 3)
         assert ("This rank's state already holds the change" in message) == (stage < 3)
+
+
+def _fp16_one_step(comm: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                   stage: int) -> tuple[float, dict[str, torch.Tensor]]:
+    state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1),
+                       param_dtype=torch.float16)
+    assert state.loss_scale is not None
+    # 1024: these gradients times the default 65536 overflow fp16 (that step would be skipped)
+    state = dataclasses.replace(state, loss_scale=fzero.LossScale(scale=1024.0))
+    step = fzero.make_train_step(
+        model, lambda call, b: torch.nn.functional.mse_loss(call(b[0].half()).float(), b[1]))
+    rows = x.shape[0] // comm.world_size
+    mine = slice(comm.rank * rows, (comm.rank + 1) * rows)
+    state, metrics = step(state, (x[mine], y[mine]))
+    return metrics["grad_norm"], fzero.full_params(state, master=True)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp16_gradients_are_unscaled_before_the_norm_and_the_update(stage: int) -> None:
+    """fp16 compute multiplies the loss by the scale (65536): the gradients must be divided
+    by it again before the norm, clipping and the update. Without the division a step
+    reported a norm the scale times torch's and moved the weights by as much, and no test saw it
+    (a mutation probe): the one fp16 test looked at skipped steps only. Against fp32 torch,
+    within fp16's rounding."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+    want = copy.deepcopy(model)
+    torch.nn.functional.mse_loss(want(x), y).backward()
+    want_norm = float(torch.nn.utils.get_total_norm([p.grad for p in want.parameters()]))
+    torch.optim.SGD(want.parameters(), lr=0.1).step()
+    for norm, params in run(2, _fp16_one_step, model, x, y, stage):
+        assert norm == pytest.approx(want_norm, rel=1e-2)
+        for name, value in want.named_parameters():
+            torch.testing.assert_close(params[name].float(), value.detach(), rtol=0, atol=2e-3)

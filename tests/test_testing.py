@@ -120,3 +120,72 @@ def test_trees_options(spec) -> None:
         if value.is_floating_point():
             assert torch.isfinite(normal[name]).all()
     assert all(bitwise_equal(t, t.clone()) for t in normal.values())
+
+
+# What the checks must see: a small deviation anywhere they promise to look. Each of these
+# survived a mutation of fzero.testing (a loosened tolerance, the last parameter skipped,
+# ranks not compared with each other, only the first loss compared) found by a probe.
+
+LAST = "lm_head.weight"  # the last name the GPT gives a parameter (wte.weight's tie)
+
+
+@pytest.mark.parametrize(("where", "what", "raised"), [
+    ("params", (None, LAST), rf"stage 1, N=2: parameter '{LAST}' differs from torch.optim"),
+    ("params", (1, None), r"stage 1, N=2: rank 1 vs rank 0"),
+    ("losses", (0, 2), r"stage 1, N=2, rank 0: loss of step 3"),
+])
+def test_check_step_parity_sees_a_deviation_of_one_part_in_ten_million(
+    monkeypatch: pytest.MonkeyPatch, where: str, what: tuple[int | None, object], raised: str
+) -> None:
+    from fzero import testing
+
+    real = testing._train_rank
+    rank, key = what
+
+    def deviating(comm, *args, **kwargs):
+        losses, params = real(comm, *args, **kwargs)
+        if rank is None or comm.rank == rank:  # None: every rank alike
+            if where == "params":
+                name = key or next(iter(params))
+                params = {**params, name: params[name] * (1 + 1e-7)}
+            else:
+                losses = [*losses[:key], losses[key] * (1 + 1e-7)]
+        return losses, params
+
+    monkeypatch.setattr(testing, "_train_rank", deviating)
+    assert list(dict(tiny_gpt().named_parameters(remove_duplicate=False)))[-1] == LAST
+    with pytest.raises(AssertionError, match=raised):
+        check_step_parity(tiny_gpt(), loss_fn, gpt_batches(), stages=(1,), world_sizes=(2,))
+
+
+def test_check_roundtrip_sees_a_nan_payload_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The random-bits pass: an unshard that canonicalizes NaN (as ``torch.where(x != x, nan,
+    x)`` would) keeps every model value and loses NaN payload bits."""
+    unshard = fzero.unshard
+
+    def canonical_nan(shards, layout):
+        return {name: torch.where(torch.isnan(p), torch.nan, p)
+                for name, p in unshard(shards, layout).items()}
+
+    monkeypatch.setattr(fzero, "unshard", canonical_nan)
+    with pytest.raises(AssertionError, match=r"N=1, buckets=None, random bits, unshard"):
+        check_roundtrip(tiny_gpt(), world_sizes=(1,), buckets=(None,))
+
+
+def test_check_roundtrip_sees_a_gather_broken_on_one_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fzero import testing
+
+    real = testing._gather_rank
+
+    def broken_on_rank_1(comm, layout, shards):
+        full = real(comm, layout, shards)
+        if comm.rank == 1:
+            name = next(iter(full))
+            full = {**full, name: full[name] + 1}
+        return full
+
+    monkeypatch.setattr(testing, "_gather_rank", broken_on_rank_1)
+    with pytest.raises(AssertionError, match=r"N=2, buckets=None, model values, gather on rank 1"):
+        check_roundtrip(tiny_gpt(), world_sizes=(2,), buckets=(None,))
