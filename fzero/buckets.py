@@ -331,7 +331,7 @@ class Reducer:
             return time.monotonic() - launched
 
         host = self.waiter.submit(wait) if self.waiter is not None else None
-        if any(f.index in self.stalled for f in self.pending):  # it cannot finish before them
+        if self._stalling():  # it cannot finish before the stalled ones
             self.stalled.add(index)
         self.pending.append(_Flight(index, pending, host, scratch))
 
@@ -347,6 +347,10 @@ class Reducer:
             return min(_FIRST_PATIENCE, self.patience)
         return min(self.patience, max(_MIN_PATIENCE, 4 * min(self.rates) * numel))
 
+    def _stalling(self) -> bool:
+        """Whether a reduction a wait gave up on is still in flight."""
+        return any(f.index in self.stalled for f in self.pending)
+
     def _settle_previous(self) -> None:
         """Wait for the reductions in flight (see the note), within `patience` if set."""
         if self.patience is None:
@@ -356,7 +360,7 @@ class Reducer:
             return
         if not self.pending:
             return
-        if any(f.index in self.stalled for f in self.pending):
+        if self._stalling():
             # A wait gave up on these and they are still in flight. Collectives on one channel
             # complete in order, so nothing launched after them can finish first: waiting again
             # would only repeat the stall (a peer on another path waits for this rank to go

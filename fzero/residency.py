@@ -148,6 +148,7 @@ class FullBuffers:
             self.full.append(flat)
         self.bucket_of = {id(leaf): index for index, leaves in enumerate(self.leaves)
                           for leaf in leaves}
+        self.nbytes = [f.numel() * f.element_size() for f in self.full]  # each, gathered
 
     def fits(self, layout: ShardLayout, shards: Sequence[Tensor]) -> bool:
         """Whether these serve `layout` and `shards`, and every bucket was released (a step
@@ -205,11 +206,10 @@ class Residency:
         self.written: set[int] = set()
         if buffers is None:
             buffers = FullBuffers(layout, shards)
-        assert buffers.fits(layout, shards)
         self.full = buffers.full
         self.leaves = buffers.leaves
         self.bucket_of = buffers.bucket_of
-        self.nbytes = [f.numel() * f.element_size() for f in self.full]
+        self.nbytes = buffers.nbytes
         self.frozen = {i for i, b in enumerate(layout.buckets) if not b.trainable}
         self.allocated: set[int] = set()
         self.resident: set[int] = set()
