@@ -282,15 +282,18 @@ class Reducer:
             self.live_bytes += flat.numel() * flat.element_size()
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             with torch.no_grad():  # one pass: each element is copied or zeroed once
+                pieces, sources = [], []
                 for entry, leaf in zip(bucket.entries, self.leaves[index], strict=True):
+                    grad, leaf.grad = leaf.grad, None
                     piece = flat[entry.offset : entry.end]
-                    if leaf.grad is None or zero:
+                    if grad is None or zero:
                         piece.zero_()
-                    elif leaf.grad.is_sparse:  # nn.Embedding(sparse=True): its dense values,
-                        piece.view(entry.shape).copy_(leaf.grad.to_dense())  # as stages 0-1 add
-                    else:
-                        piece.view(entry.shape).copy_(leaf.grad)
-                    leaf.grad = None
+                        continue
+                    pieces.append(piece.view(entry.shape))
+                    # nn.Embedding(sparse=True): its dense values, as stages 0-1 add them
+                    sources.append(grad.to_dense() if grad.is_sparse else grad)
+                if pieces:  # one call for the bucket, not a copy (a CUDA launch) per parameter
+                    torch._foreach_copy_(pieces, sources)
                 flat[bucket.numel :].zero_()  # padding
             out = shard_view(flat, bucket, self.comm.rank) if self.comm.in_place else None
             self._fly(index, reduce_scatter_bucket(self.comm, bucket, flat, out=out,

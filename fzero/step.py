@@ -734,8 +734,7 @@ class _ReplicatedSession:
         self.leaves = leaves.leaves
         self.versions = _versions(self.leaves)
         if stage < 2:  # autograd accumulates into them (stage 2: the reducer copies in)
-            for grad in trainable_only(state.grads):
-                grad.zero_()
+            torch._foreach_zero_(list(trainable_only(state.grads)))
         mode = ("all_reduce", "scatter_full", "scatter_leaves")[stage]
         self.reducer: Reducer | None = Reducer(
             state.config.comm, layout, self.leaves, state.grads,

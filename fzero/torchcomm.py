@@ -147,7 +147,7 @@ class TorchComm(CommBase):
       other's memory; if any cannot (several hosts, another container's pid namespace) every
       rank raises.
 
-    Every transport works in place (`in_place`) except "single".
+    Every transport works in place (`in_place`) except "single" over gloo.
 
     "avg" uses `ReduceOp.AVG` (pairwise: the sum divided by N, which is what AVG computes); if
     the backend rejects it (gloo before torch 2.13 does, identically on every rank and before
@@ -215,9 +215,11 @@ class TorchComm(CommBase):
         self.shm_min_bytes = shm_min_bytes
         self._slots: SharedSlots | None = None  # "shm": made at the first large collective
         # The pairwise transport copies the input into the output's chunk (a no-op when they
-        # alias) and reduces into this rank's chunk in place; the single-tensor collectives are
-        # not relied on for aliasing.
-        self.in_place = transport != "single"
+        # alias) and reduces into this rank's chunk in place. NCCL documents its in-place
+        # all-gather and reduce-scatter (the rank's chunk of the full buffer as its shard), as
+        # FSDP2 uses it: no shard-sized copy or buffer per bucket. gloo's single-tensor
+        # collectives are not relied on for aliasing.
+        self.in_place = transport != "single" or self.backend == "nccl"
         self._tag = 0  # pairwise: one tag per collective, the same on every rank
         self._global_ranks = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)

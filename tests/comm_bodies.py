@@ -208,7 +208,7 @@ def in_place_body(comm: Comm, inputs: list[Tensor]) -> dict[str, Tensor]:
     output is this rank's chunk of the input (as fzero's buckets use them when `in_place`)."""
     n, r = comm.world_size, comm.rank
     s = inputs[r].numel() // n
-    gathered = torch.full((n * s,), float("nan"), dtype=inputs[r].dtype)
+    gathered = torch.full((n * s,), float("nan"), dtype=inputs[r].dtype, device=inputs[r].device)
     gathered[r * s : (r + 1) * s] = inputs[r][:s]
     comm.all_gather(gathered, gathered[r * s : (r + 1) * s])
     out: dict[str, Tensor] = {"all_gather": gathered}

@@ -828,6 +828,12 @@ def test_nccl_every_collective(bare_env: pytest.MonkeyPatch) -> None:
         res = cb.async_overlap_body(comm, inputs, inputs)
         torch.cuda.synchronize()
         exact(res[0], inputs[0])
+        # NCCL gathers into, and reduces out of, the rank's own chunk of one buffer
+        assert comm.in_place
+        res = cb.in_place_body(comm, inputs)
+        exact(res["all_gather"], inputs[0][: res["all_gather"].numel()])
+        for op in ("sum", "avg"):
+            exact(res[f"reduce_scatter/{op}"], inputs[0][: res[f"reduce_scatter/{op}"].numel()])
         cb.fingerprint_body(comm, ["same"])
 
 
