@@ -1311,6 +1311,17 @@ def _check_module_writes(model: nn.Module, state: ShardState) -> None:
         if not known or not _holds_state_values(state, known[0], tensor.detach()):
             differ += names
     if differ:
+        moved = sorted(n for n in differ
+                       if (written[n].dtype, written[n].device) != versions.kind(n))
+        # fzero.init gives every rank rank 0's values: another rank's module held its own
+        # values from the start, so a conversion alone leaves them other than the state's
+        converted_here = (
+            f" On this rank ({state.rank}) the module's tensors {moved[:5]} were also "
+            f"converted or moved (model.to(...), model.cuda()) after fzero.init, which alone "
+            f"gives this message when the module's own values were never rank 0's: the "
+            f"state took rank 0's values at init. Convert or move the module before "
+            f"fzero.init, build it from the same seed on every rank, or move it to 'meta' "
+            f"after init (a step never reads it)." if moved and state.rank != 0 else "")
         raise ValueError(
             f"the module's own tensors {sorted(differ)[:5]} were written in place after the "
             f"state was built (model.load_state_dict(...), a copy_ under no_grad, a write "
@@ -1319,7 +1330,7 @@ def _check_module_writes(model: nn.Module, state: ShardState) -> None:
             f"silently ignored. To train from "
             f"them, build the state again from the module (fzero.init) or load them into it "
             f"(fzero.init(..., load=), a checkpoint); to read the state's values, use "
-            f"fzero.full_params(state)"
+            f"fzero.full_params(state).{converted_here}"
         )
     versions.accept(written)
     versions.verified()

@@ -933,6 +933,37 @@ def test_writing_the_modules_tensors_after_the_state_was_built_raises(
     assert kind == "StepError" and "rank(s) [1] could not start it" in message and moved == 0
 
 
+def _convert_outcome(comm: Any, *, stage: int) -> Any:
+    """Build each rank's float64 module from its own seed, init a float32 state (rank 0's
+    values on every rank), then convert every rank's module to float32 and step."""
+    model = gb.BatchNormNet(seed=comm.rank)
+    state = fzero.init(model, stage=stage, optimizer=gb.make_optimizer(("sgd", gb.SGD)),
+                       comm=comm, param_dtype=torch.float32)
+    model.float()  # the state's own dtype: accepted where the values are the state's
+    step = fzero.make_train_step(model, gb.mse_loss)
+    batch = gb.rank_rows(gb.mse_batches(1, rows=4 * comm.world_size, d_in=5, d_out=3)[0],
+                         comm.rank, comm.world_size)
+    return _step_outcome(comm, step, state, batch.float() if isinstance(batch, Tensor) else
+                         tuple(t.float() for t in batch))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_converting_another_ranks_module_after_init_says_why_it_differs(stage: int) -> None:
+    """On rank 0 a module converted to the state's dtype holds the state's values and is
+    accepted; on rank 1, whose module kept its own values (the state took rank 0's), the same
+    conversion raises, and the message says the conversion alone explains it (it said only
+    "written in place", which the user never did: found by a review)."""
+    outcomes = fzero.SimWorld(2).run(_convert_outcome, stage=stage)
+    kind, message, moved = outcomes[1]
+    assert kind == "ValueError" and moved == 0, outcomes[1]
+    assert "written in place after the state was built" in message
+    assert "On this rank (1) the module's tensors ['fc1.bias', " in message
+    assert "the state took rank 0's values at init" in message
+    kind, message, moved = outcomes[0]
+    assert kind == "StepError" and "rank(s) [1] could not start it" in message
+    assert "On this rank" not in message
+
+
 def _data_write_outcome(comm: Any, *, stage: int, write_rank: int | None) -> Any:
     """Build each rank's module from its own seed (rank 0's values are every rank's state),
     write other values into every parameter through `.data` (no version bump) on `write_rank`
