@@ -777,6 +777,65 @@ def test_checksum_mismatch(checkpoint, no_state_built, monkeypatch) -> None:
     assert load_state[0][0]["loaded"]["step"] == 1
 
 
+SHARD_0, SHARD_1 = "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"
+
+
+def test_swapped_shard_files_are_found_without_the_checksums(checkpoint, no_state_built) -> None:
+    """Every rank stores its buffers, so two ranks' files have equal sizes and headers: swapped
+    (a copy script's mix-up), they loaded silently with verify_checksums=False, each rank
+    reading another's moments and weights (a review). Each file names its rank now."""
+    first, second = (os.path.join(checkpoint, name) for name in (SHARD_0, SHARD_1))
+    assert os.path.getsize(first) == os.path.getsize(second)  # else the sizes would tell
+    os.rename(first, first + ".tmp")
+    os.rename(second, first)
+    os.rename(first + ".tmp", second)
+    messages = load_errors(checkpoint, verify_checksums=False)
+    assert f"{SHARD_0} holds rank 1's shards, but the manifest lists it as rank 0's: shard " \
+           f"files were renamed or swapped" in messages[0]
+    assert f"{SHARD_0} has a malformed header (found by rank 0" in messages[1]
+    with pytest.raises(CheckpointError, match="holds rank 1's shards"):
+        fzero.consolidate(checkpoint, verify_checksums=False)
+
+
+def test_a_shard_file_of_another_save_is_found_without_the_checksums(tmp_path,
+                                                                     no_state_built) -> None:
+    """A file copied in from another checkpoint of the same run (same layout, sizes and
+    headers) loaded silently with verify_checksums=False; every file names its save now, and
+    a reshard is a save of its own."""
+    paths = [str(tmp_path / name) for name in ("a", "b")]
+    for steps, path in zip((1, 2), paths, strict=True):
+        fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), steps, path, stage=3)
+    ids = [read_manifest(path).save_id for path in paths]
+    assert len(set(ids)) == 2 and all(re.fullmatch("[0-9a-f]{16}", i) for i in ids), ids
+    for path, save_id in zip(paths, ids, strict=True):
+        for rank, name in enumerate((SHARD_0, SHARD_1)):
+            with ShardFile(os.path.join(path, name)) as f:
+                assert f.metadata == {"fzero.save_id": save_id, "fzero.rank": str(rank)}
+    fzero.checkpoint.reshard(paths[0], str(tmp_path / "r"), world_size=2, progress=False)
+    assert read_manifest(str(tmp_path / "r")).save_id not in ids
+    shutil.copy(os.path.join(paths[1], SHARD_1), os.path.join(paths[0], SHARD_1))
+    messages = load_errors(paths[0], verify_checksums=False)
+    assert f"{SHARD_1} was written by another save (id {ids[1]}) than the manifest's (id " \
+           f"{ids[0]}): a file copied in from another checkpoint" in messages[1]
+    with pytest.raises(CheckpointError, match="was written by another save"):
+        fzero.consolidate(paths[0], verify_checksums=False)
+
+
+def test_a_checkpoint_written_before_files_named_their_save_loads(tmp_path, monkeypatch) -> None:
+    """Checkpoints written before the save id and the files' ranks were recorded have neither:
+    they load as before."""
+    from fzero.checkpoint import saving
+
+    monkeypatch.setattr(saving, "file_metadata", lambda save_id, rank: {})
+    path = str(tmp_path / "old")
+    fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 1, path, stage=1)
+    edit_manifest(path, lambda doc: doc.pop("save_id"))
+    assert read_manifest(path).save_id is None
+    loaded = fzero.SimWorld(2).run(resume_body, TinyGPT(), gpt_batches(), [path], 0,
+                                   verify_checksums=False)
+    assert loaded[0][0]["loaded"]["step"] == 1
+
+
 def test_checkpoint_of_another_model_lists_the_differences(checkpoint, no_state_built) -> None:
     for message in load_errors(checkpoint, model=TinyGPT(d_model=24, n_layer=3)):
         assert "manifest.json is a checkpoint of another model" in message

@@ -13,13 +13,17 @@ it, the world size, the layout (buckets, entries, offsets, padding, aliases, fro
 exact `ShardLayout` JSON), the state's static part (stage, step, dtypes, optimizer name and
 hyperparameters, loss scale, learned stage-3 bucket order: `fzero.checkpoint.record`), the
 buffers' dtypes and shapes, each file's size and CRC-32 and the names of the RNG states it
-holds, and the user's own JSON (``extra``).
+holds, the user's own JSON (``extra``), and the save's random id. Each shard file names, in its
+safetensors metadata, the save that wrote it and the rank whose shards it holds (`file_metadata`):
+a file renamed, swapped with another rank's or copied in from another checkpoint is found from
+its header alone, also when a load skips the checksums (which read every byte).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,7 +40,9 @@ __all__ = [
     "Manifest",
     "Pin",
     "check_json",
+    "file_metadata",
     "latest",
+    "new_save_id",
     "read_manifest",
     "read_pinned",
     "shard_name",
@@ -48,6 +54,21 @@ VERSION = 1
 MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
 """A save in progress (or interrupted) writes into ``<path>.partial`` and renames it at the end."""
+SAVE_ID_KEY = "fzero.save_id"
+"""A shard file's metadata key: the id of the save that wrote it (`Manifest.save_id`)."""
+RANK_KEY = "fzero.rank"
+"""A shard file's metadata key: the rank whose shards it holds."""
+
+
+def new_save_id() -> str:
+    """A new save's id: 16 hex digits of 63 random bits (so that it fits an int64 when rank 0
+    shares it). Drawn from the OS, not torch's generator, which a save must not advance."""
+    return f"{secrets.randbits(63):016x}"
+
+
+def file_metadata(save_id: str, rank: int) -> dict[str, str]:
+    """The safetensors metadata of rank `rank`'s shard file written by save `save_id`."""
+    return {SAVE_ID_KEY: save_id, RANK_KEY: str(rank)}
 
 
 class CheckpointError(ValueError):
@@ -78,6 +99,9 @@ class Manifest:
     fzero_version: str = "unknown"
     torch_version: str = "unknown"
     version: int = VERSION
+    save_id: str | None = None
+    """The save's random id, also in every shard file's metadata (None: a checkpoint written
+    before fzero recorded it)."""
 
     @property
     def stage(self) -> int:
@@ -112,6 +136,8 @@ class Manifest:
             ],
             "extra": self.extra,
         }
+        if self.save_id is not None:
+            doc["save_id"] = self.save_id
         doc["crc32"] = _doc_crc32(doc)
         return json.dumps(doc, indent=1)
 
@@ -161,6 +187,7 @@ class Manifest:
                 buffers=buffers, files=files, extra=dict(doc.get("extra") or {}),
                 fzero_version=str(doc.get("fzero_version", "unknown")),
                 torch_version=str(doc.get("torch_version", "unknown")), version=version,
+                save_id=_optional_str(doc.get("save_id"), "save_id"),
             )
             for name in ("stage", "step", "master_dtype", "optimizer_state", "moments",
                          "master", "loss_scale", "bucket_order"):
@@ -182,6 +209,12 @@ class Manifest:
                 f"{layout.world_size}, files for ranks {[f.rank for f in files]}"
             )
         return manifest
+
+
+def _optional_str(value: Any, what: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{what} {value!r} is not a string")
+    return value
 
 
 def _doc_crc32(doc: Mapping[str, Any]) -> int:

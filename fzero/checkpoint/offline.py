@@ -29,6 +29,8 @@ from fzero.checkpoint.manifest import (
     CheckpointError,
     FileEntry,
     Manifest,
+    file_metadata,
+    new_save_id,
     read_pinned,
     shard_name,
 )
@@ -262,6 +264,7 @@ def reshard(
                 for s in record.file_specs(layout, new, manifest.buffers, r))
     bar = _Progress(total, "reshard", enabled=progress)
     files = []
+    save_id = new_save_id()  # a new checkpoint: its files are not the source's
     with Reader(src, manifest, layout, pin) as reader:
         for rank in range(world_size):
             specs = record.file_specs(layout, new, manifest.buffers, rank)
@@ -271,13 +274,14 @@ def reshard(
                                                                               strict=True)]
             name = shard_name(rank, world_size)
             pieces = _shards(reader, layout, new, manifest, rank, bar)
-            info = write_file(os.path.join(partial, name), specs, _chain(pieces, rng_tensors))
+            info = write_file(os.path.join(partial, name), specs, _chain(pieces, rng_tensors),
+                              metadata=file_metadata(save_id, rank))
             files.append(FileEntry(name, rank, info.bytes, info.crc32, tuple(rng)))
     bar.close()
     result = Manifest(
         world_size=world_size, layout=layout, state=new, buffers=manifest.buffers,
         files=tuple(files), extra=manifest.extra, fzero_version=fzero_version(),
-        torch_version=torch.__version__,
+        torch_version=torch.__version__, save_id=save_id,
     )
     with open(os.path.join(partial, MANIFEST), "w") as f:
         f.write(result.to_json())

@@ -36,6 +36,8 @@ from fzero.checkpoint.manifest import (
     FileEntry,
     Manifest,
     check_json,
+    file_metadata,
+    new_save_id,
     shard_name,
 )
 from fzero.comm import Comm, fingerprint_check
@@ -123,7 +125,9 @@ def save(
 
     # 1. rank 0 prepares the partial directory; everyone learns whether it could.
     code, failure = _prepare(path, partial, overwrite) if comm.rank == 0 else (_OK, None)
-    code = _share(comm, code)
+    drawn = int(new_save_id(), 16) if comm.rank == 0 else 0  # shared with the verdict
+    code, shared = _share(comm, code, drawn)
+    save_id = f"{shared:016x}"  # rank 0's: every file and the manifest name this save
     if code == _EXISTS:
         raise CheckpointError(f"{path} exists: pass overwrite=True to replace it, or save to a "
                               f"new path")
@@ -144,7 +148,8 @@ def save(
     name = shard_name(comm.rank, comm.world_size)
     error: BaseException | None = None
     try:
-        info = write_file(os.path.join(partial, name), specs, [t for _, t in tensors + rng])
+        info = write_file(os.path.join(partial, name), specs, [t for _, t in tensors + rng],
+                          metadata=file_metadata(save_id, comm.rank))
         report = [1, info.bytes, info.crc32]
     except Exception as caught:  # shared below: the other ranks must not wait forever
         error, report = caught, [0, 0, 0]
@@ -171,9 +176,10 @@ def save(
             extra=extra,
             fzero_version=fzero_version(),
             torch_version=torch.__version__,
+            save_id=save_id,
         )
         failure = _publish(manifest, path, partial)
-    if _share(comm, _OK if failure is None else _FAILED) != _OK:
+    if _share(comm, _OK if failure is None else _FAILED)[0] != _OK:
         raise CheckpointError(failure or f"rank 0 could not publish {path}: see its error")
 
 
@@ -256,11 +262,11 @@ def _rng_states(device: torch.device) -> list[tuple[str, Tensor]]:
     return states
 
 
-def _share(comm: Comm, code: int) -> int:
-    """Rank 0's code, on every rank."""
-    tensor = torch.tensor([code], dtype=torch.int64, device=_device(comm))
+def _share(comm: Comm, *values: int) -> list[int]:
+    """Rank 0's `values` (int64s), on every rank."""
+    tensor = torch.tensor(values, dtype=torch.int64, device=_device(comm))
     comm.broadcast(tensor, src=0)
-    return int(tensor.item())
+    return tensor.tolist()
 
 
 def _gather(comm: Comm, values: list[int]) -> list[tuple[int, ...]]:

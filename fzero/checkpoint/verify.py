@@ -1,7 +1,8 @@
 """Checking a checkpoint's files before anything is built from them.
 
-Every shard file must exist, have the size the manifest records, hold exactly the tensors the
-manifest implies (names, dtypes, sizes) and match its CRC-32. The cheap checks (existence and
+Every shard file must exist, have the size the manifest records, be the file of the rank and
+save the manifest names (its metadata says which), hold exactly the tensors the manifest
+implies (names, dtypes, sizes) and match its CRC-32. The cheap checks (existence and
 size) run everywhere; reading a file's header and all its bytes happens once per file: in one
 process for the offline tools, or spread over the ranks of a load (file f by rank f mod M, so
 at an unchanged world size each rank checks the file it is about to read, and the page cache
@@ -18,7 +19,14 @@ import torch
 
 from fzero.checkpoint import record
 from fzero.checkpoint.files import ShardFile, crc32
-from fzero.checkpoint.manifest import CheckpointError, FileEntry, Manifest, Pin
+from fzero.checkpoint.manifest import (
+    RANK_KEY,
+    SAVE_ID_KEY,
+    CheckpointError,
+    FileEntry,
+    Manifest,
+    Pin,
+)
 from fzero.comm import Comm
 
 __all__ = ["verify"]
@@ -105,8 +113,12 @@ def _check_contents(
     try:
         with ShardFile(name) as f:
             found = {k: (dtype, shape) for k, (dtype, shape, _) in f.tensors.items()}
+            metadata = f.metadata
     except ValueError as error:
         return _HEADER, str(error)
+    stranger = _stranger(metadata, manifest, entry)
+    if stranger:
+        return _HEADER, f"{name} {stranger}: the checkpoint is not as it was saved"
     expected = record.file_specs(manifest.layout, manifest.state, manifest.buffers, entry.rank)
     problems = _differences(found, [(s.name, s.dtype, s.shape) for s in expected], entry.rng)
     if problems:
@@ -117,6 +129,20 @@ def _check_contents(
             return _CHECKSUM, (f"{name} fails its checksum: CRC-32 {actual:#010x}, the manifest "
                                f"records {entry.crc32:#010x}: the file is corrupt")
     return None
+
+
+def _stranger(metadata: object, manifest: Manifest, entry: FileEntry) -> str:
+    """What the file's own metadata says against the manifest ('' where nothing: also for
+    files written before fzero recorded its save id and rank there)."""
+    meta = metadata if isinstance(metadata, dict) else {}
+    saved, rank = meta.get(SAVE_ID_KEY), meta.get(RANK_KEY)
+    if manifest.save_id is not None and saved is not None and saved != manifest.save_id:
+        return (f"was written by another save (id {saved}) than the manifest's (id "
+                f"{manifest.save_id}): a file copied in from another checkpoint")
+    if rank is not None and rank != str(entry.rank):
+        return (f"holds rank {rank}'s shards, but the manifest lists it as rank "
+                f"{entry.rank}'s: shard files were renamed or swapped")
+    return ""
 
 
 def _differences(
