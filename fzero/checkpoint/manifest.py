@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,7 +41,6 @@ __all__ = [
     "check_json",
     "file_metadata",
     "latest",
-    "new_save_id",
     "read_manifest",
     "read_pinned",
     "shard_name",
@@ -58,12 +56,6 @@ SAVE_ID_KEY = "fzero.save_id"
 """A shard file's metadata key: the id of the save that wrote it (`Manifest.save_id`)."""
 RANK_KEY = "fzero.rank"
 """A shard file's metadata key: the rank whose shards it holds."""
-
-
-def new_save_id() -> str:
-    """A new save's id: 16 hex digits of 63 random bits (so that it fits an int64 when rank 0
-    shares it). Drawn from the OS, not torch's generator, which a save must not advance."""
-    return f"{secrets.randbits(63):016x}"
 
 
 def file_metadata(save_id: str, rank: int) -> dict[str, str]:

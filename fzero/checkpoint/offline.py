@@ -30,12 +30,11 @@ from fzero.checkpoint.manifest import (
     FileEntry,
     Manifest,
     file_metadata,
-    new_save_id,
     read_pinned,
     shard_name,
 )
 from fzero.checkpoint.mapping import regroup
-from fzero.checkpoint.saving import fzero_version, only_a_saves_files
+from fzero.checkpoint.saving import fzero_version, new_save_id, only_a_saves_files
 from fzero.checkpoint.verify import verify
 from fzero.layout import ShardLayout
 from fzero.state import STAGES

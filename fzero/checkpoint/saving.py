@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 from collections.abc import Mapping
 from importlib import metadata as importlib_metadata
@@ -37,13 +38,12 @@ from fzero.checkpoint.manifest import (
     Manifest,
     check_json,
     file_metadata,
-    new_save_id,
     shard_name,
 )
 from fzero.comm import Comm, fingerprint_check
 from fzero.state import ShardState, check_live
 
-__all__ = ["fzero_version", "only_a_saves_files", "save"]
+__all__ = ["fzero_version", "new_save_id", "only_a_saves_files", "save"]
 
 _OK, _EXISTS, _FAILED, _NOT_CHECKPOINT = 0, 1, 2, 3  # rank 0's verdicts, broadcast
 _SHARD_FILE = re.compile(r"shard-\d{5}-of-\d{5}\.safetensors")
@@ -181,6 +181,12 @@ def save(
         failure = _publish(manifest, path, partial)
     if _share(comm, _OK if failure is None else _FAILED)[0] != _OK:
         raise CheckpointError(failure or f"rank 0 could not publish {path}: see its error")
+
+
+def new_save_id() -> str:
+    """A new save's id: 16 hex digits of 63 random bits (so that it fits an int64 when rank 0
+    shares it). Drawn from the OS, not torch's generator, which a save must not advance."""
+    return f"{secrets.randbits(63):016x}"
 
 
 def fzero_version() -> str:
