@@ -464,17 +464,24 @@ def full_params(state: ShardState, *, master: bool = False) -> dict[str, Tensor]
 def split_batch(batch: Any, parts: int) -> list[Any]:
     """Split a batch into `parts` micro-batches along dim 0 of every tensor in it.
 
-    A `MicroBatches` list is taken as given (any length). Otherwise the batch (any pytree:
-    tuple, list, dict, ...) is split: every tensor along dim 0 into `parts` equal parts; other
-    leaves are shared. A container's length is never taken to mean micro-batches.
+    A `MicroBatches` list is taken as given: any length where `parts` is 1, else exactly
+    `parts`. Otherwise the batch (any pytree: tuple, list, dict, ...) is split: every tensor
+    along dim 0 into `parts` equal parts; other leaves are shared. A container's length is
+    never taken to mean micro-batches.
 
     Raises:
         ValueError: a tensor's dim 0 does not divide into `parts`, the tensors' dim 0 sizes
-            differ, the batch has no tensor, or `MicroBatches` is empty.
+            differ, the batch has no tensor, or `MicroBatches` is empty or holds another
+            number of micro-batches than `parts` (> 1) asks for.
     """
     if isinstance(batch, MicroBatches):
         if not batch:
             raise ValueError("MicroBatches([]) holds no micro-batch; give at least one")
+        if parts != 1 and len(batch) != parts:
+            raise ValueError(
+                f"MicroBatches of {len(batch)} micro-batches, but the step was built with "
+                f"accum_steps={parts}: give {parts}, or build the step with accum_steps=1 "
+                f"(the default), which takes MicroBatches of any length")
         return list(batch)
     if parts == 1:
         return [batch]

@@ -496,6 +496,10 @@ CASES = [
          "accum_steps=2 needs a batch with tensors", stage=2),
     Case("step: empty MicroBatches", lambda c: c.step()(c.state, fzero.MicroBatches([])), VE,
          r"MicroBatches\(\[\]\) holds no micro-batch", stage=1),
+    # (the 3 were used silently: found by a probe)
+    Case("step: MicroBatches of 3 and accum_steps 2",
+         lambda c: c.step(accum_steps=2)(c.state, fzero.MicroBatches([c.batch] * 3)), VE,
+         r"MicroBatches of 3 micro-batches, but the step was built with accum_steps=2", stage=2),
     Case("step: ranks given different batch sizes",
          lambda c: c.step()(c.state, per_rank(c, rows(c.batch, 3), c.batch)), SE,
          r"batches of different sizes \(rows per rank \[4, 3\]\)", stage=3),

@@ -131,4 +131,8 @@ def test_micro_batches_validation() -> None:
         fzero.step.split_batch(fzero.MicroBatches([]), 1)
     x = torch.zeros(6, 2)
     assert len(fzero.step.split_batch(fzero.MicroBatches([x, x, x]), 1)) == 3
+    assert len(fzero.step.split_batch(fzero.MicroBatches([x, x, x]), 3)) == 3
+    with pytest.raises(ValueError, match="MicroBatches of 3 micro-batches, but the step was "
+                                         "built with accum_steps=2"):
+        fzero.step.split_batch(fzero.MicroBatches([x, x, x]), 2)
     assert [t.shape[0] for t in fzero.step.split_batch([x, x], 2)[0]] == [3, 3]
