@@ -1118,6 +1118,19 @@ def test_interrupted_save_is_ignored_and_cleaned(tmp_path) -> None:
     assert sorted(os.listdir(root)) == ["step-000001", "step-000003", "step-000005"]
 
 
+def test_latest_says_when_it_skips_a_damaged_checkpoint(tmp_path) -> None:
+    """A newest checkpoint whose manifest is damaged is skipped for the one before, with a
+    warning naming it (a resume went back 10 steps without a word: found by a probe)."""
+    root = tmp_path / "run"
+    for steps in (1, 3):
+        fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), steps,
+                              str(root / f"step-{steps:06d}"), stage=1)
+    (root / "step-000003" / "manifest.json").write_text("{ truncated")
+    with pytest.warns(RuntimeWarning, match=r"latest: skipping .*step-000003, whose manifest "
+                                            r"cannot be read \(.*is not JSON"):
+        assert latest(root) == str(root / "step-000001")
+
+
 def test_overwrite_replaces_atomically(tmp_path) -> None:
     from checkpoint_bodies import init_save_body
 

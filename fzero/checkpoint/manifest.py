@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -306,7 +307,9 @@ def latest(root: str | os.PathLike[str]) -> str | None:
     """The complete checkpoint under `root` with the highest step, or None if there is none.
 
     Looks at `root`'s subdirectories that hold a readable manifest; interrupted saves
-    (``*.partial``) and unreadable checkpoints are skipped.
+    (``*.partial``) are skipped, and so are damaged checkpoints (a manifest that cannot be
+    read), each with a `RuntimeWarning` naming it: a resume from an older checkpoint than the
+    newest is not silent.
     """
     root = os.fspath(root)
     if not os.path.isdir(root):
@@ -318,7 +321,9 @@ def latest(root: str | os.PathLike[str]) -> str | None:
             continue
         try:
             step = read_manifest(path).step
-        except CheckpointError:
+        except CheckpointError as error:
+            warnings.warn(f"latest: skipping {path}, whose manifest cannot be read ({error})",
+                          RuntimeWarning, stacklevel=2)
             continue
         if best is None or step >= best[0]:
             best = (step, path)
