@@ -615,6 +615,21 @@ def test_command_line(saved_runs, tmp_path, capsys) -> None:
         f.truncate(100)
     assert main(["inspect", damaged]) == 1
     assert "shard-00001-of-00002.safetensors is 100 bytes" in capsys.readouterr().err
+    # consolidate replaced any file at its output (a user's notes: found by a probe)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    assert main(["consolidate", path, str(notes)]) == 1
+    assert "notes.txt exists: pass overwrite=True (--overwrite)" in capsys.readouterr().err
+    assert notes.read_text() == "keep me"
+    assert main(["consolidate", path, str(notes), "--overwrite"]) == 0
+    assert safetensors.load_file(notes).keys() == expected.keys()
+    # a world size below 1 is a usage error, not a traceback
+    for command in (["inspect", path, "--world-size", "0"],
+                    ["reshard", path, str(tmp_path / "z"), "--world-size", "-2"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(command)
+        assert exit_.value.code == 2
+        assert "a world size is at least 1 rank" in capsys.readouterr().err
 
 
 def test_a_manifest_with_an_impossible_stage_or_step_names_the_file(checkpoint) -> None:

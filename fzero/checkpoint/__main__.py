@@ -87,6 +87,16 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _world_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of ranks: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a world size is at least 1 rank, got {value}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m fzero.checkpoint",
@@ -95,12 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="print step, layout, sizes and a memory table (after "
                        "checking the files' sizes and headers; not their checksums)")
     p.add_argument("path")
-    p.add_argument("--world-size", type=int, nargs="+", default=None,
+    p.add_argument("--world-size", type=_world_size, nargs="+", default=None,
                    help="world sizes for the memory table (default: 1, 2, 4, 8 and the saved)")
     p = sub.add_parser("reshard", help="rewrite for another world size (and stage, buckets)")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--world-size", type=_world_size, required=True)
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None)
     p.add_argument("--bucket-cap", type=int, default=None,
                    help="re-plan buckets under this size cap (elements)")
@@ -110,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--master", action="store_true", help="trainable parameters from the master "
                    "copy (e.g. fp32)")
     p.add_argument("--dtype", type=_dtype, default=None)
+    p.add_argument("--overwrite", action="store_true", help="replace `out` if it exists")
     p = sub.add_parser("export", help="model.safetensors (sharded above a size) for HF / torch")
     p.add_argument("src")
     p.add_argument("out_dir")
@@ -128,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              buckets=args.bucket_cap, progress=True)
             print(f"wrote {args.dst}: {len(result.files)} files, {result.nbytes:,} bytes")
         elif args.command == "consolidate":
-            write_model(args.src, args.out, args.dtype, master=args.master, progress=True)
+            write_model(args.src, args.out, args.dtype, master=args.master, progress=True,
+                        overwrite=args.overwrite)
             print(f"wrote {args.out}: {os.path.getsize(args.out):,} bytes")
         else:
             files = export(args.src, args.out_dir, args.dtype,

@@ -188,9 +188,18 @@ def write_model(
     *,
     master: bool = False,
     progress: bool = False,
+    overwrite: bool = False,
 ) -> None:
-    """Stream every parameter name and buffer of a checkpoint into one safetensors file."""
-    path = os.fspath(path)
+    """Stream every parameter name and buffer of a checkpoint into one safetensors file
+    (written aside, then renamed onto `target`).
+
+    Raises:
+        CheckpointError: the checkpoint is damaged, or `target` exists and not `overwrite`.
+    """
+    path, target = os.fspath(path), os.fspath(target)
+    if os.path.lexists(target) and not overwrite:
+        raise CheckpointError(f"{target} exists: pass overwrite=True (--overwrite) to replace "
+                              f"it, or write to a new path")
     manifest, pin = read_pinned(path)
     verify(path, manifest, pin=pin)
     if master:
@@ -198,8 +207,9 @@ def write_model(
     tensors = _plan_tensors(manifest, None, dtype)
     bar = _Progress(sum(t.spec.nbytes for t in tensors), "consolidate", enabled=progress)
     with Reader(path, manifest, manifest.layout, pin) as reader:
-        write_file(target, [t.spec for t in tensors], _values(reader, tensors, bar),
+        write_file(target + ".tmp", [t.spec for t in tensors], _values(reader, tensors, bar),
                    {"format": "pt"})
+    os.replace(target + ".tmp", target)
     bar.close()
 
 

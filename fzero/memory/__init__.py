@@ -183,6 +183,8 @@ def parse_count(text: str) -> float:
     """
     if not isinstance(text, str):
         raise TypeError(f"expected a string such as '7.5B', got {text!r} ({type(text).__name__})")
+    if text.strip().startswith("-"):
+        raise ValueError(f"a parameter count cannot be negative, got {text!r}")
     match = _COUNT_RE.match(text)
     suffix = match.group(2).upper() if match else ""
     if match is None or suffix not in _SUFFIXES:
