@@ -1,6 +1,6 @@
 """Bandwidth of fzero's bucketed collectives against one raw collective over the same bytes.
 
-    python examples/bench_collectives.py              # ~256 MiB float32 model, 2 gloo ranks
+    python examples/bench_collectives.py              # ~272 MiB float32 model, 2 gloo ranks
     python examples/bench_collectives.py --mib 32 --repeats 9
 
 Two processes (torch.multiprocessing, file:// rendezvous, gloo) hold the shards of a GPT-like
