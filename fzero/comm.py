@@ -416,6 +416,7 @@ class CommBase:
                 return CollectiveTimeout(text + missing)
             return CollectiveError(text + self._lost_peer(str(exc)))
 
+        self._check_open(kind)
         try:
             work = start()
         except (CollectiveError, ValueError, TypeError):
@@ -423,6 +424,9 @@ class CommBase:
         except Exception as exc:
             raise explain(exc) from exc
         return None if work is None else _Explained(work, explain)
+
+    def _check_open(self, kind: str) -> None:
+        """Raise if this comm can no longer communicate (an implementation's own check)."""
 
     @property
     def signature(self) -> int:

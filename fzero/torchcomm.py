@@ -260,6 +260,13 @@ class TorchComm(CommBase):
         return TorchComm(group, timeout=self.timeout, transport=transport,
                          shm_min_bytes=self.shm_min_bytes)
 
+    def _check_open(self, kind: str) -> None:
+        if not dist.is_initialized():
+            raise ValueError(
+                f"{kind} on a TorchComm whose process group was destroyed (the `with "
+                f"fzero.distributed() as comm:` block ended, or destroy_distributed() ran): "
+                f"use the comm inside the block that made it")
+
     def _reduce(
         self, start: Callable[[Any, bool], Any], op: str, result: Tensor, async_op: bool
     ) -> Work | None:

@@ -723,6 +723,10 @@ def test_init_distributed_single_process_fallback(bare_env: pytest.MonkeyPatch) 
             init_distributed(transport="ring")
     assert not dist.is_initialized()
     destroy_distributed()  # a no-op without a group
+    # the comm after its block: a message saying so (torch's named no comm or block)
+    with pytest.raises(ValueError, match="all_reduce on a TorchComm whose process group was "
+                                         "destroyed .* use the comm inside the block"):
+        comm.all_reduce(torch.zeros(2))
 
 
 def test_channels_time_out_as_the_group_does(bare_env: pytest.MonkeyPatch) -> None:
