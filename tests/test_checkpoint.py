@@ -1131,6 +1131,11 @@ def test_interrupted_save_is_ignored_and_cleaned(tmp_path) -> None:
                           stage=3)
     assert latest(root) == str(root / "step-000005")
     assert sorted(os.listdir(root)) == ["step-000001", "step-000003", "step-000005"]
+    # the run's directory given for a checkpoint: the message names the newest inside
+    with pytest.raises(CheckpointError, match=r"run is not an fzero checkpoint: it has no "
+                                              r"manifest.json \(it holds checkpoints, the "
+                                              r"newest .*step-000005: a run's directory\?"):
+        read_manifest(root)
 
 
 def test_latest_says_when_it_skips_a_damaged_checkpoint(tmp_path) -> None:

@@ -298,6 +298,12 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         elif "model.safetensors" in names or "model.safetensors.index.json" in names:
             looks = " (it has model.safetensors: an exported model, load it with from_pretrained " \
                     "or load_state_dict)"
+        elif any(os.path.isfile(os.path.join(path, n, MANIFEST)) for n in names):
+            with warnings.catch_warnings():  # (a damaged one is only skipped here)
+                warnings.simplefilter("ignore", RuntimeWarning)
+                newest = latest(path)
+            looks = (f" (it holds checkpoints, the newest {newest}: a run's directory? "
+                     f"fzero.checkpoint.latest(path) finds that one)") if newest else ""
         raise CheckpointError(f"{path} is not an fzero checkpoint: it has no {MANIFEST}{looks}")
     with open(where, "rb") as f:
         return Manifest.from_json(f.read(), where)
