@@ -405,6 +405,7 @@ class _GatherBuckets(torch.autograd.Function):
     def forward(ctx: Any, info: _Context, *shards: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.info = info
         ctx.num_shards = len(shards)
+        ctx.device = shards[0].device if shards else None
         pending = [
             all_gather_bucket(info.comm, info.layout.buckets[i], shards[i], streams=info.streams)
             for i in info.indices
@@ -421,7 +422,8 @@ class _GatherBuckets(torch.autograd.Function):
             if not ctx.needs_input_grad[1 + index] or not bucket.torch_dtype.is_floating_point:
                 continue  # a shard that does not require grad (frozen) gets none, unsent
             if flat is None:  # every rank takes part: a missing gradient is a zero gradient
-                flat = torch.zeros(bucket.padded_numel, dtype=bucket.torch_dtype)
+                flat = torch.zeros(bucket.padded_numel, dtype=bucket.torch_dtype,
+                                   device=ctx.device)  # (on CUDA too: not the CPU default)
             pending.append((index, reduce_scatter_bucket(
                 info.comm, bucket, flat.contiguous(), streams=info.streams)))
         for index, p in pending:
