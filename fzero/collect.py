@@ -290,7 +290,10 @@ def reduce_scatter_bucket(
 
 
 class Collectives(NamedTuple):
-    """The layout-bound collectives returned by `collectives`."""
+    """The layout-bound collectives returned by `collectives`: ``gather(shards, buckets=None)
+    -> {name: full parameter}`` (differentiable), ``scatter_grads(grads, buckets=None) ->
+    grad shards`` (averaged over ranks) and ``gather_async(shards, bucket) -> Pending`` (one
+    bucket's flat buffer, for prefetch)."""
 
     gather: Callable[..., dict[str, Tensor]]
     """``gather(shards, buckets=None) -> {name: full parameter}`` (differentiable)."""

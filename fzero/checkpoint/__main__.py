@@ -46,9 +46,10 @@ def describe(path: str, manifest: Manifest, world_sizes: Sequence[int]) -> str:
         f"loss scale  {state['loss_scale']}",
         f"parameters  {layout.numel:,} stored ({layout.trainable_numel:,} trainable) in "
         f"{len(layout.buckets)} buckets, padding {layout.padded_numel - layout.numel:,}",
-        f"buffers     {len(manifest.buffers)}: "
-        + ", ".join(f"{n} {d}{list(s)}" for n, (d, s) in list(manifest.buffers.items())[:6])
-        + (" ..." if len(manifest.buffers) > 6 else ""),
+        (f"buffers     {len(manifest.buffers)}: "
+         + ", ".join(f"{n} {d}{list(s)}" for n, (d, s) in list(manifest.buffers.items())[:6])
+         + (" ..." if len(manifest.buffers) > 6 else "")) if manifest.buffers else
+        "buffers     none",
         f"files       {len(manifest.files)}, {manifest.nbytes:,} bytes",
     ]
     for entry in manifest.files[:8]:
