@@ -158,9 +158,7 @@ def export(
             name = ("model.safetensors" if len(groups) == 1
                     else f"model-{number:05d}-of-{len(groups):05d}.safetensors")
             target = os.path.join(out_dir, name)
-            write_file(target + ".tmp", [t.spec for t in group], _values(reader, group, bar),
-                       {"format": "pt"})
-            os.replace(target + ".tmp", target)
+            _write_weights(target, reader, group, bar)
             written.append(target)
     bar.close()
     if len(groups) > 1:
@@ -207,10 +205,16 @@ def write_model(
     tensors = _plan_tensors(manifest, None, dtype)
     bar = _Progress(sum(t.spec.nbytes for t in tensors), "consolidate", enabled=progress)
     with Reader(path, manifest, manifest.layout, pin) as reader:
-        write_file(target + ".tmp", [t.spec for t in tensors], _values(reader, tensors, bar),
-                   {"format": "pt"})
-    os.replace(target + ".tmp", target)
+        _write_weights(target, reader, tensors, bar)
     bar.close()
+
+
+def _write_weights(target: str, reader: Reader, tensors: Sequence[_Tensor], bar: _Progress) -> None:
+    """One plain safetensors file of `tensors`' values, written aside and renamed onto
+    `target`, so that it appears whole or not at all."""
+    write_file(target + ".tmp", [t.spec for t in tensors], _values(reader, tensors, bar),
+               {"format": "pt"})
+    os.replace(target + ".tmp", target)
 
 
 def reshard(
