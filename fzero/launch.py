@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -238,20 +239,32 @@ def _rendezvous_help(env: LaunchEnv, timeout: timedelta) -> str:
     )
 
 
-RESTART_STORE_HELP = (
-    "this process is a restart (TORCHELASTIC_RESTART_COUNT={count}) of a torchrun job whose "
-    "workers share the agent's TCP store; on torch 2.x that store keeps the dead workers' "
-    "addresses, and the restarted group fails to connect or hangs (pytorch/pytorch#135712). "
+RESTART_STORE_CAUSE = (
+    "torchrun's workers share the agent's TCP store; on torch 2.x that store keeps the dead "
+    "workers' addresses, and a restarted group fails to connect or hangs (pytorch/pytorch#135712). "
     "Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, e.g. "
     "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts 2 ...`"
 )
 
 
 def _check_restart_store(environ: Mapping[str, str]) -> None:
-    """Refuse a torchrun restart that would rendezvous through a stale shared store."""
+    """Refuse a torchrun restart that would rendezvous through a stale shared store, and warn
+    (rank 0) at the first attempt of a job that allows restarts it could not make."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
     count = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and count not in ("", "0"):
-        raise RuntimeError(RESTART_STORE_HELP.format(count=count))
+    if count not in ("", "0"):
+        raise RuntimeError(
+            f"this process is restart {count} of a torchrun job, which cannot rendezvous: "
+            + RESTART_STORE_CAUSE
+        )
+    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if restarts not in ("", "0") and environ.get("RANK", "0") == "0":
+        warnings.warn(
+            f"torchrun --max-restarts {restarts}: a restart of this job would be refused, "
+            "since " + RESTART_STORE_CAUSE,
+            RuntimeWarning, stacklevel=3,
+        )
 
 
 def destroy_distributed() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +20,7 @@ from fzero import torchcomm as ftorchcomm
 from fzero.comm import COLLECTIVES, Comm, CommCounters, ring_bytes
 from fzero.launch import (
     LaunchEnv,
+    _check_restart_store,
     destroy_distributed,
     distributed,
     init_distributed,
@@ -781,6 +783,41 @@ def test_init_distributed_from_torchrun_env(bare_env: pytest.MonkeyPatch) -> Non
         comm.broadcast(x)
         exact(x, torch.arange(3.0))
     assert not dist.is_initialized()
+
+
+def test_torchrun_restarts_through_the_agents_store_are_named_before_they_fail(
+    bare_env: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.x's torchrun restarts a job's workers through a store that keeps the dead ones'
+    addresses (pytorch/pytorch#135712): a restart fails to connect or hangs. A restarted process
+    refuses at once; the first attempt of a job launched with --max-restarts warns on rank 0,
+    so the user learns it at launch, not after the first crash (found by a probe)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "TORCHELASTIC_USE_AGENT_STORE": "True",
+                        "TORCHELASTIC_MAX_RESTARTS": "2"}.items():
+        bare_env.setenv(name, value)
+    bare_env.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(RuntimeError, match="this process is restart 1 of a torchrun job"
+                                           ".*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        init_distributed(backend="gloo")
+    assert not dist.is_initialized()
+    first = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+             "TORCHELASTIC_MAX_RESTARTS": "2", "RANK": "0"}  # (its rendezvous: the agent's)
+    with pytest.warns(RuntimeWarning, match=r"torchrun --max-restarts 2: a restart of this "
+                                            r"job would be refused.*DISABLE_SHARE_RDZV"):
+        _check_restart_store(first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # one warning per job (rank 0's); and a job whose workers have a store of their own
+        # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) restarts fine: nothing to say
+        _check_restart_store({**first, "RANK": "1"})
+        _check_restart_store({**first, "TORCHELASTIC_USE_AGENT_STORE": "False",
+                              "TORCHELASTIC_RESTART_COUNT": "3"})
+        _check_restart_store({**first, "TORCHELASTIC_MAX_RESTARTS": "0"})
 
 
 @pytest.mark.parametrize("launcher", ["slurm", "torchrun"])
