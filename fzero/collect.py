@@ -319,8 +319,11 @@ def collectives(
         layout: the layout every rank planned.
         comm: the communicator (``comm.world_size`` must equal ``layout.world_size``).
         streams: CUDA side streams; by default created for the comm's device when it is CUDA.
-        reduce_dtype: dtype gradients are reduced in (e.g. float32 for bfloat16 parameters);
-            default each bucket's own dtype. Gradient shards come back in this dtype.
+        reduce_dtype: dtype gradients are reduced in (e.g. float32 for bfloat16 parameters),
+            by `scatter_grads` and by `gather`'s backward; default each bucket's own dtype.
+            `scatter_grads` returns shards in this dtype; `gather`'s backward hands autograd
+            the shard's own dtype. `gather` is differentiable once: a gradient it produced
+            cannot itself be differentiated (``create_graph=True`` raises).
 
     Returns:
         `Collectives` ``(gather, scatter_grads, gather_async)``.
@@ -361,7 +364,8 @@ def collectives(
         indices = _bucket_indices(layout, buckets, len(shards))
         for index in indices:
             _check_shard(shards[index], layout, index)
-        flats = _GatherBuckets.apply(_Context(layout, comm, streams, indices), *shards)
+        flats = _GatherBuckets.apply(
+            _Context(layout, comm, streams, indices, reduce_dtype), *shards)
         full = dict.fromkeys(range(len(layout.buckets)))
         full.update(zip(indices, flats, strict=True))
         sub = ShardLayout(tuple(layout.buckets[i] for i in indices), layout.world_size)
@@ -373,7 +377,10 @@ def collectives(
         """Gradient shards of `buckets` (default all), averaged over ranks.
 
         Missing gradients count as zero; padding is zero. Non-floating (integer) buckets have
-        no gradient: their shards are zeros, without communication. Every reduce-scatter is
+        no gradient: their shards are zeros, without communication (a gradient given for an
+        integer parameter raises). A tied parameter's gradient is summed over its names, the
+        same tensor given under several of them counted once (``autograd.grad`` returns one
+        tensor for repeated inputs, as for ``gather``'s aliases). Every reduce-scatter is
         issued before the first is waited on.
         """
         indices = _bucket_indices(layout, buckets, len(layout.buckets))
@@ -381,10 +388,11 @@ def collectives(
         pending = []
         for i in indices:
             bucket = layout.buckets[i]
-            flat = _flat_grad(grads, bucket, reduce_dtype, device)
-            if not flat.is_floating_point():
-                pending.append(_Ready(flat[: bucket.shard_numel]))
+            if not bucket.torch_dtype.is_floating_point:
+                pending.append(_Ready(torch.zeros(bucket.shard_numel, dtype=bucket.torch_dtype,
+                                                  device=device)))
                 continue
+            flat = _flat_grad(grads, bucket, reduce_dtype, device)
             pending.append(reduce_scatter_bucket(comm, bucket, flat, streams=streams))
         return tuple(p.wait() for p in pending)
 
@@ -399,6 +407,7 @@ class _Context(NamedTuple):
     comm: Comm
     streams: SideStreams | None
     indices: tuple[int, ...]
+    reduce_dtype: torch.dtype | None
 
 
 class _GatherBuckets(torch.autograd.Function):
@@ -418,19 +427,30 @@ class _GatherBuckets(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *flat_grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         info: _Context = ctx.info
+        if torch.is_grad_enabled() and any(f is not None and f.requires_grad for f in flat_grads):
+            # (`once_differentiable` would not do: its error node has no path to the shards,
+            # so autograd.grad(..., shards) skips it and drops the second-order term silently)
+            raise RuntimeError(
+                "backward through fzero's gather with create_graph=True, on a gradient that "
+                "itself requires grad: the reduce-scatter is not differentiable, so a "
+                "second-order term (gradient penalty on the parameters, Hessian-vector "
+                "product) would be wrong. Differentiate with respect to the gathered full "
+                "parameters instead (detach them into leaves), or use create_graph=False"
+            )
         grads: list[Tensor | None] = [None] * ctx.num_shards
         pending = []
         for index, flat in zip(info.indices, flat_grads, strict=True):
             bucket = info.layout.buckets[index]
             if not ctx.needs_input_grad[1 + index] or not bucket.torch_dtype.is_floating_point:
                 continue  # a shard that does not require grad (frozen) gets none, unsent
+            dtype = info.reduce_dtype or bucket.torch_dtype
             if flat is None:  # every rank takes part: a missing gradient is a zero gradient
-                flat = torch.zeros(bucket.padded_numel, dtype=bucket.torch_dtype,
+                flat = torch.zeros(bucket.padded_numel, dtype=dtype,
                                    device=ctx.device)  # (on CUDA too: not the CPU default)
             pending.append((index, reduce_scatter_bucket(
-                info.comm, bucket, flat.contiguous(), streams=info.streams)))
-        for index, p in pending:
-            grads[index] = p.wait()
+                info.comm, bucket, flat.to(dtype).contiguous(), streams=info.streams)))
+        for index, p in pending:  # back in the shard's dtype, as autograd expects
+            grads[index] = p.wait().to(info.layout.buckets[index].torch_dtype)
         return (None, *grads)
 
 
@@ -456,7 +476,8 @@ def _bucket_indices(
     if buckets is None:
         return tuple(range(len(layout.buckets)))
     indices = tuple(buckets)
-    bad = [i for i in indices if not isinstance(i, int) or not 0 <= i < len(layout.buckets)]
+    bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int)
+           or not 0 <= i < len(layout.buckets)]
     if bad or len(set(indices)) != len(indices):
         raise ValueError(
             f"buckets must be distinct indices in range({len(layout.buckets)}), got {indices}"
@@ -504,6 +525,11 @@ def _check_grads(
                 f"gradient of {name!r} is on {grad.device}, but the comm's tensors are on "
                 f"{device}: move it there first"
             )
+        if not layout.buckets[located[name][0]].torch_dtype.is_floating_point:
+            raise ValueError(
+                f"gradient given for {name!r}, a {entry.dtype} parameter: integer parameters "
+                f"have no gradient (their shards come back as zeros)"
+            )
 
 
 def _flat_grad(
@@ -512,15 +538,18 @@ def _flat_grad(
     """The bucket's gradient as one flat padded buffer on the comm's device (so every rank
     builds the same buffers, whatever gradients it was given); a missing gradient is zero.
 
-    Tied parameters' gradients (under any of their names) are summed, as autograd would.
+    Tied parameters' gradients (under any of their names) are summed, as autograd would, but
+    one tensor given under several names counts once: it is the gradient of the one tensor
+    those names share (``autograd.grad`` returns the same tensor for a repeated input).
     """
-    dtype = dtype if dtype is not None and bucket.torch_dtype.is_floating_point else (
-        bucket.torch_dtype)
-    flat = torch.zeros(bucket.padded_numel, dtype=dtype, device=device)
+    flat = torch.zeros(bucket.padded_numel, dtype=dtype or bucket.torch_dtype, device=device)
     with torch.no_grad():
         for entry in bucket.entries:
             piece = flat[entry.offset : entry.end].view(entry.shape)
+            added: list[Tensor] = []
             for name in entry.names:
-                if name in grads:
-                    piece.add_(grads[name])
+                grad = grads.get(name)
+                if grad is not None and not any(grad is seen for seen in added):
+                    piece.add_(grad)
+                    added.append(grad)
     return flat

@@ -207,23 +207,35 @@ def _check_params(params: object, what: str = "params") -> list[Tensor]:
     return list(params)
 
 
-def _check_disjoint(params: list[Tensor]) -> None:
-    """No two parameters share an element (each would be updated twice, with its own moments)."""
-    spans = []
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        low = p.storage_offset()
-        high = low + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride(),
-                                                                   strict=True)) + 1
-        spans.append((p.untyped_storage().data_ptr(), low * p.element_size(),
-                      high * p.element_size(), i))
-    spans.sort()
-    for (base_a, _, end_a, a), (base_b, start_b, _, b) in zip(spans, spans[1:], strict=False):
-        if base_a == base_b and start_b < end_a:
+def _check_disjoint(written: dict[str, list[Tensor]]) -> None:
+    """No two of the tensors an update writes (parameters, moments, and the gradients, which
+    are scratch) share an element, and none repeats one of its own (an expanded tensor): each
+    such element would be written twice, and the update would be silently wrong."""
+    spans = []  # (first byte, end byte, label) in the address space: storages never overlap
+    for group, tensors in written.items():
+        for i, t in enumerate(tensors):
+            if t.numel() == 0:
+                continue
+            start = t.data_ptr()
+            if t.is_contiguous():
+                extent = t.numel()
+            else:
+                if any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride(),
+                                                                         strict=True)):
+                    raise ValueError(
+                        f"{group}[{i}] repeats elements in memory (an expanded tensor, stride "
+                        f"0): the update writes it in place; pass a contiguous copy"
+                    )
+                extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(),
+                                                                             strict=True))
+            spans.append((start, start + extent * t.element_size(), f"{group}[{i}]"))
+    spans.sort(key=lambda span: span[:2])
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
+        if start_b < end_a:
             raise ValueError(
-                f"params[{a}] and params[{b}] overlap in memory: each element would be updated "
-                f"twice; give every parameter once"
+                f"{a} and {b} overlap in memory: the update writes both in place (gradients "
+                f"are scratch), so an element would be written twice; give every parameter, "
+                f"gradient and moment its own memory"
             )
 
 
@@ -345,9 +357,10 @@ def _checked_call(
     step = _check_step(step)
     lr_t = _resolve_lr(schedule, lr, step)
     ps = _check_params(params)
-    _check_disjoint(ps)
     gs = _check_like("grads", grads, ps)
     _check_moments(moments, names, ps)
+    _check_disjoint({"params": ps, "grads": gs,
+                     **{f"moments[{name!r}]": list(moments[name]) for name in names}})
     spans = _decay_spans(decay, ps) if weight_decay != 0 else []
     return _Call(step, lr_t, ps, gs, spans)
 

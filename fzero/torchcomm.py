@@ -321,7 +321,7 @@ class TorchComm(CommBase):
     def _all_gather(self, output: Tensor, input: Tensor, async_op: bool) -> Work | None:
         if self.transport != "single":
             s, n = input.numel(), self.world_size
-            chunks = list(output.split(s))
+            chunks = list(output.view(n, s).unbind(0))  # (split(0) would give one chunk)
             if chunks[self.rank].data_ptr() != input.data_ptr():  # not gathered in place
                 chunks[self.rank].copy_(input)
             slots = self._shared(input.nbytes)
@@ -338,7 +338,7 @@ class TorchComm(CommBase):
     ) -> Work | None:
         if self.transport != "single":
             s, n = output.numel(), self.world_size
-            chunks = list(input.split(s))
+            chunks = list(input.view(n, s).unbind(0))
             slots = self._shared(output.nbytes)
             if slots is not None:
                 works, add = slots.reduce_scatter(output, chunks, self._next_tag())

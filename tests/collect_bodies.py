@@ -245,3 +245,74 @@ def integer_bucket_body(comm: Comm, layout: ShardLayout, params: Params) -> dict
     except Exception as exc:
         out["scatter_grads"] = exc
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Found by a probe of the hand-written-step API (each was silently wrong before)
+
+
+def double_backward_body(comm: Comm, w: Tensor, x: Tensor) -> str:
+    """A gradient penalty on the parameters through `gather` (create_graph=True, then
+    differentiate the gradient): the error's text. gloo's reduce-scatter ran its Python
+    arithmetic under grad mode, so the second backward saw only this rank's 1/N term."""
+    layout = fzero.plan({"w": w}, comm.world_size, trainable=lambda name: True)
+    gather = collectives(layout, comm).gather
+    shards = [s.requires_grad_() for s in fzero.shard({"w": w}, layout, comm.rank)]
+    loss = ((x @ gather(shards)["w"].T) ** 3).sum()
+    try:
+        (g,) = torch.autograd.grad(loss, shards, create_graph=True)
+        torch.autograd.grad(loss + (g**2).sum(), shards)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def reduce_dtype_body(comm: Comm, w: Tensor, grads: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """`collectives(..., reduce_dtype=float32)` on a bfloat16 bucket: the shard gradient from
+    gather's backward and from scatter_grads, for this rank's gradient ``grads[rank]``."""
+    layout = fzero.plan({"w": w}, comm.world_size, trainable=lambda name: True)
+    gather, scatter_grads, _ = collectives(layout, comm, reduce_dtype=torch.float32)
+    shards = [s.requires_grad_() for s in fzero.shard({"w": w}, layout, comm.rank)]
+    loss = (gather(shards)["w"].float() * grads[comm.rank]).sum()
+    (through_gather,) = torch.autograd.grad(loss, shards)
+    (scattered,) = scatter_grads({"w": grads[comm.rank].to(w.dtype)})
+    return through_gather, scattered
+
+
+def empty_bucket_body(comm: Comm, params: Params) -> tuple[list[tuple[int, ...]], list[Tensor]]:
+    """A bucket of zero-size parameters only (``floor=1``) beside a real one: gather's shapes
+    and the gradient shards of a mean over ranks of ``rank + 1``."""
+    layout = fzero.plan(params, comm.world_size, floor=1, trainable=lambda name: True)
+    gather, scatter_grads, _ = collectives(layout, comm)
+    full = gather(fzero.shard(params, layout, comm.rank))
+    grads = {name: torch.full_like(p, comm.rank + 1.0) for name, p in params.items()}
+    return [tuple(t.shape) for t in full.values()], list(scatter_grads(grads))
+
+
+def tied_grads_body(comm: Comm, params: Params, x: Tensor) -> dict[str, Any]:
+    """Gradients of gather's output dict, as ``autograd.grad`` returns them for its aliases
+    (one tensor under both tied names), and of two separate leaves, through scatter_grads."""
+    layout = fzero.plan(params, comm.world_size, trainable=lambda name: name != "steps")
+    gather, scatter_grads, _ = collectives(layout, comm)
+    gathered = gather(fzero.shard(params, layout, comm.rank))
+    full = {"emb": gathered["emb"].detach().clone().requires_grad_()}
+    full["head"] = full["emb"]  # gather's own aliasing: one tensor, two names
+
+    def loss(p: Params) -> Tensor:
+        return ((x @ p["emb"]) @ p["head"].T).pow(2).sum()
+
+    shared = dict(zip(full, torch.autograd.grad(loss(full), list(full.values())), strict=True))
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in full.items()}  # two tensors
+    separate = dict(zip(leaves, torch.autograd.grad(loss(leaves), list(leaves.values())),
+                        strict=True))
+    out: dict[str, Any] = {"same_object": shared["emb"] is shared["head"],
+                           "shared": scatter_grads(shared), "separate": scatter_grads(separate)}
+    try:
+        scatter_grads({"emb": torch.zeros(4, 3), "steps": torch.zeros(2)})
+    except ValueError as exc:
+        out["integer"] = str(exc)
+    try:
+        gather(fzero.shard(params, layout, comm.rank), buckets=[True, False])
+    except ValueError as exc:
+        out["bool"] = str(exc)
+    return out

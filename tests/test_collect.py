@@ -611,6 +611,31 @@ def test_sim_scatter_grads_with_integer_bucket() -> None:
     check_grad_shards(float_shards, w_only, [{"w": 2 * params["w"].detach()}] * n)
 
 
+def test_sim_scatter_grads_counts_a_tied_gradient_once_per_tensor() -> None:
+    """The gradients of gather's output dict (its tied names map to one tensor, and
+    ``autograd.grad`` returns one tensor for both) doubled a tied weight's gradient in
+    scatter_grads; two separate leaves' gradients must still be summed (a probe). Also: a
+    gradient for an integer parameter raises (its shard came back as this rank's own values,
+    not zeros), and ``buckets=[True, False]`` is not read as indices 1, 0."""
+    gen = torch.Generator().manual_seed(0)
+    params = {"emb": torch.randn(4, 3, dtype=torch.float64, generator=gen),
+              "steps": torch.arange(2)}
+    params["head"] = params["emb"]
+    x = torch.randn(5, 4, dtype=torch.float64, generator=gen)
+    emb = params["emb"].clone().requires_grad_()
+    ((x @ emb) @ emb.T).pow(2).sum().backward()  # the reference: one tied tensor
+    n = 2
+    layout = fzero.plan(params, n, trainable=lambda name: name != "steps")
+    outs = SimWorld(n).run(cb.tied_grads_body, params, x)
+    for key in ("shared", "separate"):
+        got = fzero.unshard([out[key] for out in outs], layout)
+        torch.testing.assert_close(got["emb"], emb.grad, rtol=1e-14, atol=0)
+    for out in outs:
+        assert out["same_object"]
+        assert "gradient given for 'steps', a int64 parameter" in out["integer"]
+        assert "buckets must be distinct indices in range(2), got (True, False)" in out["bool"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Tier 4: gloo processes (session-scoped pools, see tests/dist_pool.py)
 
@@ -681,6 +706,47 @@ def test_gloo_gather_backward_and_async_overlap(gloo_pool: Any, n: int) -> None:
     flats = fzero.flatten(params, layout)
     for out_a, out_b, _, same in pool.run(cb.two_async_gathers_body, layout, params, 2, 0):
         assert bitwise_equal(out_a, flats[2]) and bitwise_equal(out_b, flats[0]) and same
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gloo_second_order_through_gather_raises(gloo_pool: Any, n: int) -> None:
+    """A gradient penalty on the parameters (differentiating the gradient that gather's backward
+    made) was silently wrong at N >= 2 on gloo (the reduce-scatter's arithmetic was traced,
+    the other ranks' terms not: errors of half the reference's size; a probe). It raises, on
+    every rank and at every N, saying what to do instead."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 5, dtype=torch.float64, generator=gen)
+    x = torch.randn(4, 5, dtype=torch.float64, generator=gen)
+    for message in gloo_pool(n).run(cb.double_backward_body, w, x):
+        assert "create_graph=True" in message and "not differentiable" in message, message
+        assert "gathered full parameters" in message
+    assert SimWorld(2).run(cb.double_backward_body, w, x)[0] == message
+
+
+def test_gather_backward_reduces_in_reduce_dtype() -> None:
+    """`collectives(reduce_dtype=float32)` applied to scatter_grads only: gather's backward
+    reduced bfloat16 gradients in bfloat16 (a probe: 256 + 1 - 256 + 1 over 4 ranks gave 0.25,
+    not 0.5). Both reduce in float32 now; gather's backward hands autograd the shard's dtype."""
+    w = torch.zeros(8, dtype=torch.bfloat16)
+    grads = [torch.full((8,), v) for v in (256.0, 1.0, -256.0, 1.0)]
+    for through_gather, scattered in SimWorld(4).run(cb.reduce_dtype_body, w, grads):
+        assert through_gather.dtype == torch.bfloat16 and scattered.dtype == torch.float32
+        assert through_gather.float().tolist() == scattered.tolist() == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_a_bucket_of_empty_parameters(gloo_pool: Any, n: int) -> None:
+    """A bucket holding only zero-size parameters raised IndexError on gloo at N >= 2 (its
+    0-element chunks: ``split(0)`` gives one chunk, not N; a probe). It moves nothing, as on
+    SimWorld."""
+    params = {"e.0.w": torch.zeros(0, 4), "a.0.w": torch.ones(5)}
+    layout = fzero.plan(params, n, floor=1, trainable=lambda name: True)
+    assert [b.numel for b in layout.buckets] == [0, 5]
+    outs = gloo_pool(n).run(cb.empty_bucket_body, params)
+    assert all(shapes == [(0, 4), (5,)] for shapes, _ in outs)
+    grads = fzero.unshard([grad_shards for _, grad_shards in outs], layout)
+    exact(grads["e.0.w"], torch.zeros(0, 4))
+    exact(grads["a.0.w"], torch.full((5,), (n + 1) / 2))  # the mean over ranks of rank + 1
 
 
 def test_gloo_layout_mismatch_raises_on_every_rank(gloo_pool: Any) -> None:
