@@ -926,3 +926,44 @@ def test_fp16_gradients_are_unscaled_before_the_norm_and_the_update(stage: int) 
         assert norm == pytest.approx(want_norm, rel=1e-2)
         for name, value in want.named_parameters():
             torch.testing.assert_close(params[name].float(), value.detach(), rtol=0, atol=2e-3)
+
+
+def _input_gradient_penalty(call: Callable[..., Tensor], batch: Any) -> Tensor:
+    """MSE plus an R1-style penalty: the squared gradient of the output with respect to the
+    input, taken inside the loss with ``create_graph=True`` (GAN critics, WGAN-GP)."""
+    x, y = batch
+    x = x.clone().requires_grad_()
+    out = call(x)
+    (dx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return torch.nn.functional.mse_loss(out, y) + 0.5 * dx.pow(2).sum(1).mean()
+
+
+def _penalty_steps(comm: Any, model: nn.Module, batches: Sequence[Any], stage: int) -> Any:
+    state = fzero.init(model, stage=stage, comm=comm, buckets=nn.Linear,
+                       optimizer=fzero.optim.sgd(lr=0.1, momentum=0.9))
+    step = fzero.make_train_step(model, _input_gradient_penalty)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, split_batch(batch, comm.rank, comm.world_size))
+        losses.append(metrics["loss"])
+    return losses, fzero.full_params(state)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_gradient_penalty_inside_the_loss_trains_as_torch(stage: int) -> None:
+    """A loss that differentiates the model's output with respect to its input inside forward
+    (``autograd.grad(..., create_graph=True)``, as a GAN critic's R1 / gradient penalty) runs a
+    first backward through every module before the step's own: stage 3's gathers and stage 2's
+    reductions must neither fire early nor miss the penalty's second-order terms. float64,
+    against torch.optim.SGD on the global batch, over 1-3 ranks (probed: exact to 3e-17)."""
+    model = MLP(seed=3).double()
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(6, 7, generator=gen, dtype=torch.float64),
+                torch.randn(6, 5, generator=gen, dtype=torch.float64)) for _ in range(3)]
+    want = reference_train(model, _input_gradient_penalty, batches,
+                           lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), steps=3)
+    for n in (1, 2, 3):
+        for losses, params in fzero.SimWorld(n).run(_penalty_steps, model, batches, stage):
+            assert losses == pytest.approx(want.losses, rel=1e-13)
+            for name, value in want.params.items():
+                torch.testing.assert_close(params[name], value, rtol=1e-13, atol=1e-15)
