@@ -335,8 +335,9 @@ def plan(
 
     Args:
         params: an `nn.Module` (its parameters, tied ones once), or a mapping of names to
-            tensors, possibly nested (flattened to dotted names). The same tensor object under
-            two names is stored once, the later names as aliases.
+            tensors, possibly nested (flattened to dotted names). The same tensor under two
+            names (one object; in a mapping also two viewing the same memory, as a
+            ``state_dict()`` gives a tied weight) is stored once, the later names as aliases.
         world_size: number of ranks (>= 1).
         buckets: the bucket policy. ``None``: one bucket per element of every list container
             (a name component that is an integer, as `nn.ModuleList` and `nn.Sequential` make),
@@ -370,7 +371,8 @@ def plan(
         TypeError: a leaf is not a tensor, or a policy has the wrong type.
         ValueError: `world_size` < 1, a trainable parameter is not floating point, an
             explicit bucket list names unknown, repeated or missing parameters, or `trainable`
-            names unknown ones or disagrees with itself on a tied tensor.
+            names unknown ones or disagrees with itself on a tied tensor, or two parameters
+            share memory without being one tensor.
     """
     _check_world_size(world_size)
     module = params if isinstance(params, nn.Module) else None
@@ -381,15 +383,16 @@ def plan(
         raise ValueError(f"floor must be a positive int of elements, got {floor=}")
 
     # Tied parameters: the first name owns the storage, later names are aliases.
-    primary: dict[int, str] = {}
+    primary: dict[object, str] = {}
     aliases: dict[str, list[str]] = {}
     for name, tensor in tensors.items():
-        owner = primary.setdefault(id(tensor), name)
+        owner = primary.setdefault(id(tensor) if module else _tie_key(tensor), name)
         aliases.setdefault(owner, [])
         if owner != name:
             aliases[owner].append(name)
     alias_of = {alias: owner for owner, names in aliases.items() for alias in names}
     stored = list(aliases)
+    _check_no_partial_overlap({name: tensors[name] for name in stored})
 
     is_trainable = _trainable_predicate(trainable, tensors, aliases)
     for name in stored:
@@ -426,6 +429,50 @@ def flatten_names(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def _tie_key(tensor: torch.Tensor) -> object:
+    """What makes two names of a mapping one tensor: the same object, or the same elements in
+    memory (a ``state_dict()`` or ``detach()`` makes a new tensor object per name of a tied
+    weight; planned apart, the two would train apart). Meta and empty tensors have no elements
+    to share. (A module's parameters are tied by identity, as torch ties them.)"""
+    if tensor.is_meta or tensor.numel() == 0:
+        return id(tensor)
+    if type(tensor) not in (torch.Tensor, nn.Parameter):  # subclasses may have no storage
+        return id(tensor)
+    return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(),
+            tensor.dtype)
+
+
+def memory_span(t: torch.Tensor) -> tuple[int, int]:
+    """``(first byte, end byte)`` of the memory `t`'s elements lie in (a strided view's span
+    also covers the elements it skips). Distinct storages never overlap in the address space,
+    so two tensors whose spans are disjoint share no element."""
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + t.nbytes
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(),
+                                                                 strict=True))
+    return start, start + extent * t.element_size()
+
+
+def _check_no_partial_overlap(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Distinct parameters (ties already merged) share no element: two views of one memory
+    shaped apart would be planned, sharded and trained as two parameters. (Strided views are
+    checked by their spans: two that interleave without sharing an element raise too.)"""
+    spans = []
+    for name, t in tensors.items():
+        if t.is_meta or t.numel() == 0 or type(t) not in (torch.Tensor, nn.Parameter):
+            continue
+        spans.append((*memory_span(t), name))
+    spans.sort(key=lambda span: span[:2])
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
+        if start_b < end_a:
+            raise ValueError(
+                f"parameters {a!r} and {b!r} share memory but are not one tensor: they would "
+                f"be stored and trained as two; give each its own memory, or the same tensor "
+                f"under both names to tie them"
+            )
 
 
 def _named_tensors(params: Mapping[str, Any] | nn.Module) -> dict[str, torch.Tensor]:

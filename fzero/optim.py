@@ -34,6 +34,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from fzero.layout import memory_span
+
 __all__ = [
     "DecayRanges",
     "InitFn",
@@ -210,25 +212,21 @@ def _check_params(params: object, what: str = "params") -> list[Tensor]:
 def _check_disjoint(written: dict[str, list[Tensor]]) -> None:
     """No two of the tensors an update writes (parameters, moments, and the gradients, which
     are scratch) share an element, and none repeats one of its own (an expanded tensor): each
-    such element would be written twice, and the update would be silently wrong."""
-    spans = []  # (first byte, end byte, label) in the address space: storages never overlap
+    such element would be written twice, and the update would be silently wrong. (Strided
+    views are checked by their spans: two that interleave without sharing an element raise
+    too.)"""
+    spans = []
     for group, tensors in written.items():
         for i, t in enumerate(tensors):
             if t.numel() == 0:
                 continue
-            start = t.data_ptr()
-            if t.is_contiguous():
-                extent = t.numel()
-            else:
-                if any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride(),
-                                                                         strict=True)):
-                    raise ValueError(
-                        f"{group}[{i}] repeats elements in memory (an expanded tensor, stride "
-                        f"0): the update writes it in place; pass a contiguous copy"
-                    )
-                extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(),
-                                                                             strict=True))
-            spans.append((start, start + extent * t.element_size(), f"{group}[{i}]"))
+            spans.append((*memory_span(t), f"{group}[{i}]"))
+            if not t.is_contiguous() and any(size > 1 and stride == 0 for size, stride
+                                             in zip(t.shape, t.stride(), strict=True)):
+                raise ValueError(
+                    f"{group}[{i}] repeats elements in memory (an expanded tensor, stride 0): "
+                    f"the update writes it in place; pass a contiguous copy"
+                )
     spans.sort(key=lambda span: span[:2])
     for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
         if start_b < end_a:

@@ -153,6 +153,41 @@ def test_default_policy_buckets_each_list_element_and_ties_once():
     assert layout.numel == 11 * 5 + 3 * (5 * 5 + 5 + 5 + 5) + 10
 
 
+def test_a_tie_is_kept_when_each_name_has_its_own_tensor_object_on_the_same_memory():
+    """``state_dict()`` and ``{n: p.detach()}`` give each name of a tied weight its own tensor
+    object: planned by object identity alone, the tie became two parameters that a hand-written
+    step would train apart (a probe). The same elements in memory are one tensor; views of
+    other elements, meta tensors (no memory) and empty ones stay apart."""
+    net = Net()
+    want = fzero.plan(net, 3, floor=1)
+    named = dict(net.named_parameters(remove_duplicate=False))
+    detached = {name: p.detach() for name, p in named.items()}
+    for params in (net.state_dict(), detached):
+        got = fzero.plan(params, 3, floor=1, trainable=lambda name: True)
+        assert got.numel == want.numel
+        assert [(e.name, e.aliases) for b in got.buckets for e in b.entries] == [
+            (e.name, e.aliases) for b in want.buckets for e in b.entries]
+    flat = torch.zeros(12)
+    apart = {"a": flat[:6].view(2, 3), "b": flat[6:].view(2, 3),
+             "d": torch.zeros(3, 4)[:, 3]}
+    assert fzero.plan(apart, 2).numel == 15  # other elements of one storage
+    # the same elements shaped apart, a partial overlap, a strided view across others' spans
+    for name, other in (("c", flat[:6].view(3, 2)), ("e", flat[5:7]),
+                        ("f", flat.view(3, 4)[:, 3])):
+        with pytest.raises(ValueError, match=f"parameters '.' and '{name}' share memory but are "
+                                             f"not one tensor"):
+            fzero.plan({**apart, name: other}, 2)
+    net.head.weight = nn.Parameter(net.embed.weight.detach())  # two parameters, one memory:
+    with pytest.raises(ValueError, match="'embed.weight' and 'head.weight' share memory"):
+        fzero.plan(net, 3)  # torch would update the memory twice, once per parameter
+    with torch.device("meta"):
+        meta = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    assert fzero.plan(meta, 2).numel == 8
+    empty = torch.zeros(0)
+    assert [e.name for b in fzero.plan({"a": empty, "b": empty.view(0)}, 2).buckets
+            for e in b.entries] == ["a", "b"]
+
+
 def test_default_policy_merges_small_blocks_up_to_the_floor():
     net = Net()  # blocks of 40 elements, the final norm 10, the tied embedding 55
     assert [(b.label, b.numel) for b in fzero.plan(net, 3).buckets] == [
