@@ -264,6 +264,7 @@ def make_train_step(
         release: Callable[[], None] | None = None
         try:  # checks that may fail on one rank only: reported to all through the header
             check_live(state, "step")
+            _check_grad_mode()
             release = claim(model, "step")
             _check_model(model, state, requires_grad=state.config.requires_grad)
             if not state.trainable:
@@ -282,8 +283,9 @@ def make_train_step(
             agreed = settings(state)
         except (TypeError, ValueError) as exc:
             problem = exc
-        try:
-            with state.config.comm.scope(f"train step {state.step + 1}"):
+        try:  # (tensors made under inference mode could not be trained with afterwards)
+            with (torch.inference_mode(False), state.config.comm.scope(
+                    f"train step {state.step + 1}")):
                 return _train(state, micro_batches, problem, applied, agreed)
         finally:
             if release is not None:
@@ -374,7 +376,10 @@ def make_eval_step(
 
     For stage 3 the buckets are gathered just in time as in training, and it is a collective:
     every rank must call it (with batches that may run different modules); below stage 3 it is
-    local. The state is not consumed and its buffers are not changed.
+    local. The state is not consumed and its buffers are not changed. It may run under
+    ``torch.inference_mode()``. A parameter `fn` returns (or a view of one) is, below stage 3,
+    a view of the state (as torch returns the live weight: later steps change it); at stage 3,
+    whose gathered parameters are released when the step returns, a copy.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -412,13 +417,16 @@ def make_eval_step(
             with torch.no_grad():
                 return binder.run(_bindings(state, leaves, buffers),
                                   lambda: fn(model.__call__, batch))
-        control = state.config.comm.channel(_CONTROL, host=True)
-        agree_header(control, _header(state, 0 if problem else 1, kind=1), what="eval step",
-                     own=problem)
-        streams = Streams.for_device(state.config.device)
-        with torch.no_grad(), _sharded(state, model, prefetch, streams, train=False) as session:
-            return binder.run(_bindings(state, session.leaves, buffers),
-                              lambda: session.evaluate(fn, model, batch))
+        # Under the caller's torch.inference_mode too: the gathered buffers and leaves are
+        # kept for the next step, so they may not become inference tensors.
+        with torch.inference_mode(False), torch.no_grad():
+            control = state.config.comm.channel(_CONTROL, host=True)
+            agree_header(control, _header(state, 0 if problem else 1, kind=1),
+                         what="eval step", own=problem)
+            streams = Streams.for_device(state.config.device)
+            with _sharded(state, model, prefetch, streams, train=False) as session:
+                return binder.run(_bindings(state, session.leaves, buffers),
+                                  lambda: session.evaluate(fn, model, batch))
 
     return evaluate
 
@@ -939,8 +947,17 @@ class _ShardedSession:
         raise AssertionError("stage 3 stops every rank at a failure")
 
     def evaluate(self, fn: Callable[..., Any], model: nn.Module, batch: Any) -> Any:
-        try:
-            out = self._forward(fn, model, batch)
+        """`fn`'s result; a tensor in it that is a parameter or a view of one is copied (its
+        bucket's memory is released after this step, and reused by the next)."""
+        gathered = {flat.untyped_storage()._cdata for flat in self.residency.full}
+
+        def copying(call: Callable[..., Any], micro: Any) -> Any:
+            return pytree.tree_map_only(
+                Tensor, lambda t: t.detach().clone()
+                if t.untyped_storage()._cdata in gathered else t, fn(call, micro))
+
+        try:  # (copied inside forward: a parameter whose bucket was released gathers again)
+            out = self._forward(copying, model, batch)
         except Exception:
             self._end_phase(FAILED)
             raise
@@ -977,6 +994,16 @@ def _sharded(
 
 
 # --- the phases after backward ----------------------------------------------------------------
+
+
+def _check_grad_mode() -> None:
+    """A train step differentiates the loss: refuse to start where torch would not record."""
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        raise ValueError(
+            "step: called with gradients off (torch.no_grad(), torch.inference_mode() or "
+            "torch.set_grad_enabled(False) around it): a train step differentiates the loss; "
+            "call it outside such a block (make_eval_step is the step without gradients)"
+        )
 
 
 def _settings_bits(parts: Mapping[str, str]) -> int:

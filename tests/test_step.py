@@ -9,6 +9,7 @@ tests/step_bodies.py; references are computed here with `models.reference_train`
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -967,3 +968,72 @@ def test_a_gradient_penalty_inside_the_loss_trains_as_torch(stage: int) -> None:
             assert losses == pytest.approx(want.losses, rel=1e-13)
             for name, value in want.params.items():
                 torch.testing.assert_close(params[name], value, rtol=1e-13, atol=1e-15)
+
+
+def exact(actual: Tensor, expected: Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def _eval_returns_parameters(comm: Any, model: nn.Module, batch: Any, stage: int) -> Any:
+    state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.5))
+    before = fzero.full_params(state)
+    weight = fzero.make_eval_step(model, lambda call, x: model.fc1.weight)(state, None)
+    out, view = fzero.make_eval_step(
+        model, lambda call, x: (call(x), model.fc1.weight.T))(state, batch[0])
+    values = weight.clone(), view.clone()
+    step = fzero.make_train_step(model, MLP.loss_fn)
+    state, _ = step(state, split_batch(batch, comm.rank, comm.world_size))
+    return before["fc1.weight"], values, (weight.sum().item(), view.sum().item()), out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_eval_step_may_return_a_parameter(stage: int) -> None:
+    """An eval function returning a parameter (or a view of one) got at stage 3 a tensor whose
+    memory the step released as it returned: reading it crashed the process (a probe). Stage 3
+    returns a copy now; below it, the tensor is a view of the state, as torch returns the live
+    weight. Either way the values are the parameter's, readable after later steps."""
+    model = MLP(seed=1)
+    batch = MLP.make_batch(0, 6)
+    for want, (weight, view), _, out in run(2, _eval_returns_parameters, model, batch, stage):
+        exact(weight, want)
+        exact(view, want.T)
+        assert out.shape == (6, 5) and not weight.requires_grad
+
+
+def _steps_around_inference_mode(comm: Any, model: nn.Module, batch: Any, stage: int,
+                                 inference: bool) -> Any:
+    state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.5))
+    step = fzero.make_train_step(model, MLP.loss_fn)
+    evaluate = fzero.make_eval_step(model, lambda call, x: call(x))
+    mine = split_batch(batch, comm.rank, comm.world_size)
+    refused = []
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            try:
+                step(state, mine)
+            except (ValueError, fzero.StepError) as exc:
+                refused.append(str(exc))
+    with torch.inference_mode() if inference else contextlib.nullcontext():
+        out = evaluate(state, batch[0])
+    state, metrics = step(state, mine)
+    return refused, out.clone(), fzero.full_params(state), metrics["loss"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_inference_mode_and_no_grad_around_steps(stage: int) -> None:
+    """A train step under torch.no_grad or torch.inference_mode raises before anything moves,
+    saying gradients are off (it said "no gradient path", and under inference mode it left
+    cached tensors behind that broke every later step); an eval step under inference mode
+    works at every stage (stage 3 raised a collective error) and training goes on exactly."""
+    model = MLP(seed=2)
+    batch = MLP.make_batch(1, 6)
+    plain = run(2, _steps_around_inference_mode, model, batch, stage, False)
+    under = run(2, _steps_around_inference_mode, model, batch, stage, True)
+    for (refused, out, params, loss), (_, out_i, params_i, loss_i) in zip(plain, under,
+                                                                          strict=True):
+        assert len(refused) == 2
+        assert all("called with gradients off" in message for message in refused), refused
+        exact(out_i, out)
+        assert loss_i == loss
+        for name, value in params.items():
+            exact(params_i[name], value)

@@ -101,3 +101,44 @@ def test_transformers_model_trains_with_parity(build, frozen, stage):
     if frozen:
         embed = next(n for n in want_params if "wte" in n or "embed_in" in n)
         assert torch.equal(params[embed], dict(model.named_parameters())[embed].detach())
+
+
+def generate(model, prompt, new_tokens, use_cache):
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                          max_new_tokens=new_tokens, use_cache=use_cache, pad_token_id=0)
+
+
+def generate_in_eval(comm, model, stage, prompts, data):
+    """One train step, then greedy `generate` (KV cache on and off) inside an eval step, each
+    rank its own prompt and length; stage 3 with the module on `meta` (nothing but the state
+    holds the weights)."""
+    state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+    if stage == 3:
+        model.to("meta")
+    per_rank = GLOBAL_BATCH // comm.world_size
+    step = fzero.make_train_step(model, loss_fn)
+    state, _ = step(state, (data[0][0][comm.rank * per_rank : (comm.rank + 1) * per_rank],))
+    evaluate = fzero.make_eval_step(model, lambda call, b: generate(model, *b))
+    prompt, new_tokens = prompts[comm.rank]
+    return {cache: evaluate(state, (prompt, new_tokens, cache)) for cache in (True, False)}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_generate_inside_an_eval_step_matches_plain_transformers(stage):
+    """Hugging Face `generate` runs the module many times with a growing KV cache; inside an
+    eval step it sees the state's weights (at stage 3 gathered bucket by bucket, the ranks
+    generating different lengths) and must give plain HF's tokens, after a train step."""
+    model = gpt2().double()
+    data = batches()
+    reference_model = copy.deepcopy(model)  # one SGD step on the global batch
+    reference_model(input_ids=data[0][0], labels=data[0][0]).loss.backward()
+    torch.optim.SGD(reference_model.parameters(), lr=0.1).step()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [(torch.randint(0, 61, (2, 3), generator=gen), 4),
+               (torch.randint(0, 61, (1, 5), generator=gen), 7)]
+    outs = fzero.SimWorld(2).run(generate_in_eval, model, stage, prompts, data)
+    with torch.no_grad():
+        for (prompt, new_tokens), out in zip(prompts, outs, strict=True):
+            want = generate(reference_model, prompt, new_tokens, True)
+            assert want.shape == (prompt.shape[0], prompt.shape[1] + new_tokens)
+            assert torch.equal(out[True], want) and torch.equal(out[False], want)
