@@ -18,7 +18,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -444,35 +444,37 @@ def _tie_key(tensor: torch.Tensor) -> object:
             tensor.dtype)
 
 
-def memory_span(t: torch.Tensor) -> tuple[int, int]:
-    """``(first byte, end byte)`` of the memory `t`'s elements lie in (a strided view's span
-    also covers the elements it skips). Distinct storages never overlap in the address space,
-    so two tensors whose spans are disjoint share no element."""
-    start = t.data_ptr()
-    if t.is_contiguous():
-        return start, start + t.nbytes
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(),
-                                                                 strict=True))
-    return start, start + extent * t.element_size()
+def first_overlap(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
+    """The labels of two of the labelled `tensors` whose memory overlaps, or None. Each is
+    taken by the span of bytes its elements lie in (a strided view's span also covers the
+    elements it skips, so two views that interleave without sharing an element count too);
+    distinct storages never overlap in the address space. Empty tensors overlap nothing."""
+    spans = []
+    for label, t in tensors:
+        if t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        extent = t.numel() if t.is_contiguous() else 1 + sum(
+            (size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        spans.append((start, start + extent * t.element_size(), label))
+    spans.sort(key=lambda span: span[:2])
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
+        if start_b < end_a:
+            return a, b
+    return None
 
 
 def _check_no_partial_overlap(tensors: Mapping[str, torch.Tensor]) -> None:
     """Distinct parameters (ties already merged) share no element: two views of one memory
-    shaped apart would be planned, sharded and trained as two parameters. (Strided views are
-    checked by their spans: two that interleave without sharing an element raise too.)"""
-    spans = []
-    for name, t in tensors.items():
-        if t.is_meta or t.numel() == 0 or type(t) not in (torch.Tensor, nn.Parameter):
-            continue
-        spans.append((*memory_span(t), name))
-    spans.sort(key=lambda span: span[:2])
-    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
-        if start_b < end_a:
-            raise ValueError(
-                f"parameters {a!r} and {b!r} share memory but are not one tensor: they would "
-                f"be stored and trained as two; give each its own memory, or the same tensor "
-                f"under both names to tie them"
-            )
+    shaped apart would be planned, sharded and trained as two parameters (`first_overlap`)."""
+    pair = first_overlap((name, t) for name, t in tensors.items()
+                         if not t.is_meta and type(t) in (torch.Tensor, nn.Parameter))
+    if pair is not None:
+        raise ValueError(
+            f"parameters {pair[0]!r} and {pair[1]!r} share memory but are not one tensor: they "
+            f"would be stored and trained as two; give each its own memory, or the same tensor "
+            f"under both names to tie them"
+        )
 
 
 def _named_tensors(params: Mapping[str, Any] | nn.Module) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from fzero.layout import memory_span
+from fzero.layout import first_overlap
 
 __all__ = [
     "DecayRanges",
@@ -213,28 +213,23 @@ def _check_disjoint(written: dict[str, list[Tensor]]) -> None:
     """No two of the tensors an update writes (parameters, moments, and the gradients, which
     are scratch) share an element, and none repeats one of its own (an expanded tensor): each
     such element would be written twice, and the update would be silently wrong. (Strided
-    views are checked by their spans: two that interleave without sharing an element raise
-    too.)"""
-    spans = []
+    views that interleave without sharing an element raise too: `first_overlap`.)"""
     for group, tensors in written.items():
         for i, t in enumerate(tensors):
-            if t.numel() == 0:
-                continue
-            spans.append((*memory_span(t), f"{group}[{i}]"))
             if not t.is_contiguous() and any(size > 1 and stride == 0 for size, stride
                                              in zip(t.shape, t.stride(), strict=True)):
                 raise ValueError(
                     f"{group}[{i}] repeats elements in memory (an expanded tensor, stride 0): "
                     f"the update writes it in place; pass a contiguous copy"
                 )
-    spans.sort(key=lambda span: span[:2])
-    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
-        if start_b < end_a:
-            raise ValueError(
-                f"{a} and {b} overlap in memory: the update writes both in place (gradients "
-                f"are scratch), so an element would be written twice; give every parameter, "
-                f"gradient and moment its own memory"
-            )
+    pair = first_overlap((f"{group}[{i}]", t) for group, tensors in written.items()
+                         for i, t in enumerate(tensors))
+    if pair is not None:
+        raise ValueError(
+            f"{pair[0]} and {pair[1]} overlap in memory: the update writes both in place "
+            f"(gradients are scratch), so an element would be written twice; give every "
+            f"parameter, gradient and moment its own memory"
+        )
 
 
 def _check_like(name: str, tensors: object, params: list[Tensor]) -> list[Tensor]:

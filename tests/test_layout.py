@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fzero
-from fzero.layout import ShardLayout
+from fzero.layout import ShardLayout, first_overlap
 from fzero.testing import TreeSpec, policies, trees, world_sizes, worlds_and_trees
 
 
@@ -186,6 +186,38 @@ def test_a_tie_is_kept_when_each_name_has_its_own_tensor_object_on_the_same_memo
     empty = torch.zeros(0)
     assert [e.name for b in fzero.plan({"a": empty, "b": empty.view(0)}, 2).buckets
             for e in b.entries] == ["a", "b"]
+
+
+@st.composite
+def views_of_one_storage(draw):
+    """2-4 views of one 24-element storage: a contiguous slice or a strided one each."""
+    views = []
+    for _ in range(draw(st.integers(2, 4))):
+        start = draw(st.integers(0, 23))
+        step = draw(st.integers(1, 3))
+        count = draw(st.integers(0, (23 - start) // step + 1))
+        views.append((start, step, count))
+    return views
+
+
+@given(views_of_one_storage())
+def test_first_overlap_never_misses_a_shared_element(views):
+    """`first_overlap` (plan's and the optimizer's check) finds every pair of views sharing
+    an element, and between contiguous views finds only those: its one approximation is a
+    strided view's span."""
+    storage = torch.zeros(24)
+    tensors = [(f"v{k}", storage[start::step][:count]) for k, (start, step, count) in
+               enumerate(views)]
+    elements = [set(range(start, start + step * count, step)) for start, step, count in views]
+    shared = any(elements[a] & elements[b] for a in range(len(views))
+                 for b in range(a + 1, len(views)))
+    found = first_overlap(tensors)
+    if shared:
+        assert found is not None
+    elif all(step == 1 or count <= 1 for _, step, count in views):
+        assert found is None
+    if found is not None:  # two labels of views whose spans meet
+        assert found[0] != found[1]
 
 
 def test_default_policy_merges_small_blocks_up_to_the_floor():
