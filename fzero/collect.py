@@ -502,6 +502,9 @@ def _check_shard(shard: Tensor, layout: ShardLayout, index: int) -> None:
             f"shard of bucket {index} ({bucket.label!r}) must be a 1-D {bucket.dtype} tensor of "
             f"{bucket.shard_numel} elements, got {got}"
         )
+    if not shard.is_contiguous():
+        raise ValueError(f"shard of bucket {index} ({bucket.label!r}) must be contiguous (a "
+                         f"collective reads it as one block of memory): pass .contiguous()")
 
 
 def _check_grads(

@@ -138,9 +138,10 @@ def unshard(
                     f"{shards[index].device}, rank 0's on {first}: move them to one device"
                 )
     flats = []
-    for index in range(len(layout.buckets)):
-        stacked = torch.stack([shards[index] for shards in shards_by_rank])  # (world, shard)
-        flats.append(einops.rearrange(stacked, "w s -> (w s)"))  # (world * shard,)
+    with torch.no_grad():  # new tensors outside autograd, whatever the shards require
+        for index in range(len(layout.buckets)):
+            stacked = torch.stack([shards[index] for shards in shards_by_rank])  # (world, s)
+            flats.append(einops.rearrange(stacked, "w s -> (w s)"))  # (world * shard,)
     return unflatten(flats, layout)
 
 

@@ -78,6 +78,8 @@ def test_results_are_outside_autograd():
     layout = fzero.plan(params, 2)
     assert not fzero.flatten(params, layout)[0].requires_grad
     assert not fzero.shard(params, layout, 1)[0].requires_grad
+    shards = [[s.requires_grad_() for s in fzero.shard(params, layout, r)] for r in range(2)]
+    assert not fzero.unshard(shards, layout)["w"].requires_grad  # (it did: a probe)
 
 
 def test_most_ranks_hold_only_padding_at_large_world_size():
