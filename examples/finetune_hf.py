@@ -113,16 +113,20 @@ def loss_fn(call, batch: tuple[Tensor]) -> Tensor:
 def export_pretrained(state, model: nn.Module, tokenizer, out_dir: str, rank: int) -> None:
     """Write ``out_dir`` for ``from_pretrained``: the trained weights in a copy of `model`.
 
-    A collective (every rank gathers the parameters); rank 0 writes. (From a saved checkpoint,
-    offline, ``fzero.checkpoint.export`` does the same.)
+    A collective (every rank gathers the parameters); rank 0 writes. Trained parameters get
+    the master copy (float32 under ``--param-dtype bfloat16``, not its bfloat16 rounding);
+    frozen ones keep the module's own values, bitwise the pretrained ones (fzero never writes
+    the module; with ``--param-dtype bfloat16`` training computed with their bfloat16
+    rounding). From a saved checkpoint, offline: ``fzero.checkpoint.export``.
     """
-    params = fzero.full_params(state)  # {name: full tensor}, tied names included
+    params = fzero.full_params(state, master=True)  # {name: full tensor}, tied names included
     if rank != 0:
         return
     trained = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in trained.named_parameters():
-            p.copy_(params[name])
+            if p.requires_grad:  # (the trainable set: `select_trainable`)
+                p.copy_(params[name])
         for name, b in trained.named_buffers():  # what the steps updated (replicated)
             if name in state.buffers:
                 b.copy_(state.buffers[name])

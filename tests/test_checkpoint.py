@@ -551,6 +551,28 @@ def test_export_casts_from_the_master_copy(tmp_path) -> None:
         assert bitwise_equal(half[name], saved["saved"]["params"][name]), name
 
 
+def test_an_export_of_a_bfloat16_run_says_bfloat16_in_its_config(tmp_path) -> None:
+    """A meta model built in float32 for a bfloat16 checkpoint saved its config saying float32:
+    the weight files held bfloat16, and `from_pretrained` loaded them as float32 (a probe). The
+    config names the dtype written; the model's own config is left alone."""
+    model = hf_gpt2()
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 61, (4, 12), generator=gen),)]
+    path = str(tmp_path / "c")
+    fzero.SimWorld(2).run(train_save_body, model, batches, 1, path, stage=1, loss_fn=hf_loss,
+                          param_dtype=torch.bfloat16)
+    meta = copy.deepcopy(model).to("meta")
+    before = meta.config.to_dict()
+    for dtype, out in ((None, "bf16"), (torch.float32, "fp32")):
+        fzero.checkpoint.export(path, tmp_path / out, model=meta, dtype=dtype)
+        reloaded = type(model).from_pretrained(tmp_path / out)
+        want = dtype or torch.bfloat16
+        assert json.loads((tmp_path / out / "config.json").read_text())["dtype"] == str(
+            want).removeprefix("torch.")
+        assert {p.dtype for p in reloaded.parameters()} == {want}
+    assert meta.config.to_dict() == before
+
+
 def test_export_into_an_earlier_export_replaces_its_weights(tmp_path) -> None:
     """A single-file export over a sharded one (and back) left the other layout's files, and
     loading took the earlier weights (model.safetensors wins over an index): a probe's

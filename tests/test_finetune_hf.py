@@ -113,6 +113,31 @@ def test_local_model_directory_on_gloo(
     assert (out / "config.json").exists()
 
 
+def test_a_bfloat16_run_exports_its_master_copy_and_the_frozen_weights_as_they_were(
+    gloo_pool: Any, tmp_path: Path,
+) -> None:
+    """Under ``--param-dtype bfloat16`` the export wrote the bfloat16 compute copy into the
+    float32 model: trained weights rounded to bfloat16, and frozen pretrained weights changed
+    by that rounding (a probe). The frozen ones come back bitwise, the trained ones at the
+    master copy's float32 precision."""
+    out = tmp_path / "tuned"
+    model_dir = neox_dir(tmp_path / "neox", False)
+    args = ft.parse_args([*TINY, "--model", model_dir, "--stage", "3", "--param-dtype",
+                          "bfloat16", "--train", "gpt_neox.layers.*.attention.*",
+                          "--out", str(out)])
+    summary = gloo_pool(2).run(ft.train, args)[0]
+    start = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
+    loaded = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
+    assert summary["trainable"] and set(loaded) == set(start)
+    for name, value in loaded.items():
+        assert value.dtype == torch.float32, name
+        if name in summary["trainable"]:
+            assert not torch.equal(value, start[name]), name
+            assert not torch.equal(value, value.bfloat16().float()), name  # not rounded
+        else:
+            assert torch.equal(value, start[name]), name
+
+
 def checkpointing_runs(gloo_pool: Any, config: str) -> tuple[list[float], list[float]]:
     argv = [*TINY, "--config", config, "--stage", "3", "--train", "*.attn.*",
             "--train", "*.attention.*"]

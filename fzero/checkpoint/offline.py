@@ -8,6 +8,7 @@ one parameter (export) or the output itself (consolidate) at a time. Files are v
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -124,7 +125,8 @@ def export(
             compute dtype when the state was built, so they come out rounded).
         model: the module it is for (any device, ``meta`` included): its ``state_dict()``
             keys and order are written (tied names each, persistent buffers only), and a
-            Hugging Face model's config is saved as ``config.json``. Without it: every
+            Hugging Face model's config is saved as ``config.json`` (its ``dtype``: the
+            parameters' as written, so ``from_pretrained`` loads them so). Without it: every
             parameter name (aliases too) and every buffer.
         max_shard_size: bytes per file before splitting.
         verify_checksums: check every file's CRC-32 first.
@@ -174,9 +176,21 @@ def export(
         written.append(target)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(out_dir)
+        _config_for(config, tensors).save_pretrained(out_dir)
         written.append(os.path.join(out_dir, "config.json"))
     return written
+
+
+def _config_for(config: Any, tensors: Sequence[_Tensor]) -> Any:
+    """A Hugging Face config whose ``dtype`` is the parameters' dtype as written (a meta model
+    built in float32 for a bfloat16 checkpoint said float32, and ``from_pretrained`` loaded
+    the bfloat16 weights as float32); the config itself is left alone."""
+    written = {t.spec.dtype for t in tensors if t.bucket >= 0 and t.spec.dtype.is_floating_point}
+    if len(written) != 1 or getattr(config, "dtype", None) in written:
+        return config
+    saved = copy.deepcopy(config)
+    saved.dtype = written.pop()
+    return saved
 
 
 def write_model(
