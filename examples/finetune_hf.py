@@ -52,6 +52,9 @@ import fzero  # noqa: E402
 def build_model(args: argparse.Namespace) -> tuple[nn.Module, object | None]:
     """The model (from ``--model`` or a small random ``--config``) and its tokenizer, if any."""
     if args.model is not None:
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise SystemExit(f"--model {args.model}: not a local model directory (no "
+                             f"config.json there; save_pretrained writes one)")
         model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True)
         has_tokenizer = any(os.path.exists(os.path.join(args.model, name)) for name in
                             ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
@@ -179,6 +182,10 @@ def train(comm, args: argparse.Namespace) -> dict:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
 
+    positions = getattr(model.config, "max_position_embeddings", None)  # (n_positions: GPT-2)
+    if positions is not None and args.seq_len > positions:
+        raise SystemExit(f"--seq-len {args.seq_len} is longer than the model's "
+                         f"{positions} positions")
     data = sequences(tokens_of(args, tokenizer, model.config.vocab_size), args.seq_len)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True,
                                  seed=args.seed, drop_last=True)  # every rank: same row count

@@ -573,6 +573,30 @@ def test_an_export_of_a_bfloat16_run_says_bfloat16_in_its_config(tmp_path) -> No
     assert meta.config.to_dict() == before
 
 
+def test_the_export_command_writes_a_directory_from_pretrained_loads(tmp_path, capsys) -> None:
+    """`python -m fzero.checkpoint export` wrote weights without a config.json, so its "for HF"
+    output did not load with from_pretrained (a probe). ``--hf-model DIR`` takes the run's
+    model directory: its names, ties and config.json."""
+    from fzero.checkpoint.__main__ import main
+
+    model = hf_gpt2()
+    model.save_pretrained(tmp_path / "start")
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 61, (4, 12), generator=gen),)]
+    path = str(tmp_path / "c")
+    saved = fzero.SimWorld(2).run(train_save_body, model, batches, 1, path, stage=3,
+                                  loss_fn=hf_loss)[0]
+    assert main(["export", path, str(tmp_path / "w")]) == 0
+    assert "weights only: --hf-model DIR adds the config.json" in capsys.readouterr().out
+    assert main(["export", path, str(tmp_path / "hf"), "--hf-model", str(tmp_path / "start")]) == 0
+    reloaded = type(model).from_pretrained(tmp_path / "hf")
+    assert reloaded.lm_head.weight is reloaded.transformer.wte.weight  # still tied
+    for name, value in saved["saved"]["params"].items():
+        assert bitwise_equal(reloaded.get_parameter(name).detach(), value), name
+    assert main(["export", path, str(tmp_path / "x"), "--hf-model", str(tmp_path)]) == 1
+    assert "no config.json there" in capsys.readouterr().err
+
+
 def test_export_into_an_earlier_export_replaces_its_weights(tmp_path) -> None:
     """A single-file export over a sharded one (and back) left the other layout's files, and
     loading took the earlier weights (model.safetensors wins over an index): a probe's

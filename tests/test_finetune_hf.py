@@ -156,3 +156,16 @@ def test_gradient_checkpointing_flag_runs(gloo_pool: Any) -> None:
 def test_gradient_checkpointing_parity(gloo_pool: Any, config: str) -> None:
     plain, recomputed = checkpointing_runs(gloo_pool, config)
     torch.testing.assert_close(torch.tensor(recomputed), torch.tensor(plain), rtol=1e-6, atol=0)
+
+
+def test_a_wrong_model_directory_or_a_too_long_sequence_is_named(tmp_path: Path) -> None:
+    """``--model`` at a missing directory gave Hugging Face's "Repo id must be in the form"
+    (it read the path as a hub id), one without a config "Unrecognized model", and a
+    ``--seq-len`` beyond the model's positions a bare IndexError at the first step (a probe)."""
+    for model in (tmp_path / "missing", tmp_path):
+        with pytest.raises(SystemExit, match=f"--model {model}: not a local model directory"):
+            ft.build_model(ft.parse_args([*TINY, "--model", str(model)]))
+    args = ft.parse_args([*TINY, "--model", neox_dir(tmp_path / "neox", False),
+                          "--seq-len", "17"])
+    with pytest.raises(fzero.SimWorldError, match="--seq-len 17 is longer than the model's 16"):
+        fzero.SimWorld(1).run(ft.train, args)

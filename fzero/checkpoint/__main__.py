@@ -4,6 +4,7 @@
     python -m fzero.checkpoint reshard ckpt/step-000100 ckpt/step-000100-n8 --world-size 8
     python -m fzero.checkpoint consolidate ckpt/step-000100 model.safetensors --master
     python -m fzero.checkpoint export ckpt/step-000100 hf_dir --dtype bfloat16
+    python -m fzero.checkpoint export ckpt/step-000100 hf_dir --hf-model ./my-gpt2  # + config
 """
 
 from __future__ import annotations
@@ -98,6 +99,24 @@ def _world_size(text: str) -> int:
     return value
 
 
+def _meta_hf_model(directory: str) -> torch.nn.Module:
+    """The Hugging Face model of `directory`'s config.json, built on `meta` (names, ties and
+    config only: no weights are read)."""
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise CheckpointError(f"--hf-model {directory}: no config.json there (a Hugging Face "
+                              f"model directory, as save_pretrained writes, is needed)")
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    architectures = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, architectures[0], None) if architectures else None
+    if cls is None:
+        raise CheckpointError(f"--hf-model {directory}: its config.json names no model class "
+                              f"this transformers has (architectures={architectures})")
+    with torch.device("meta"):
+        return cls(config)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m fzero.checkpoint",
@@ -128,6 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", type=_dtype, default=None)
     p.add_argument("--max-shard-size", type=float, default=DEFAULT_MAX_SHARD_SIZE,
                    help="bytes per file before splitting (default 5e9)")
+    p.add_argument("--hf-model", metavar="DIR", default=None,
+                   help="the Hugging Face model directory the run started from (its "
+                        "config.json): write its state_dict names and a config.json, so that "
+                        "from_pretrained(out_dir) loads the export; without it, the weights "
+                        "only (load_state_dict)")
     args = ap.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -144,9 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         overwrite=args.overwrite)
             print(f"wrote {args.out}: {os.path.getsize(args.out):,} bytes")
         else:
-            files = export(args.src, args.out_dir, args.dtype,
+            model = None if args.hf_model is None else _meta_hf_model(args.hf_model)
+            files = export(args.src, args.out_dir, args.dtype, model=model,
                            max_shard_size=int(args.max_shard_size), progress=True)
-            print(f"wrote {len(files)} files to {args.out_dir}")
+            print(f"wrote {len(files)} files to {args.out_dir}"
+                  + ("" if model is not None else " (weights only: --hf-model DIR adds the "
+                     "config.json that from_pretrained needs)"))
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
