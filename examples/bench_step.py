@@ -128,6 +128,18 @@ LABELS = {
     "deepspeed_2": "DeepSpeed ZeRO-2",
     "deepspeed_3": "DeepSpeed ZeRO-3",
 }
+CAPPED = "@"  # an fzero row with its own bucket cap: ``fzero_1@6553600`` (elements)
+
+
+def base_row(row: str) -> str:
+    """The row without its bucket cap (``fzero_1@6553600`` -> ``fzero_1``)."""
+    return row.partition(CAPPED)[0]
+
+
+def label(row: str) -> str:
+    """A row's name in the tables (with its bucket cap, if it has one)."""
+    base, _, cap = row.partition(CAPPED)
+    return LABELS[base] + (f" (buckets of {int(cap):,})" if cap else "")
 
 
 # -----------------------------------------------------------------------------
@@ -421,6 +433,10 @@ def build_row(row: str, spec: dict, device: torch.device, rank: int):
     comm of a t_compute row, else None)."""
     cfg, batch = model_and_batch(spec)
     world = spec["world"]
+    row, _, cap = row.partition(CAPPED)  # (the compute suffix stays with the cap)
+    if cap.endswith(COMPUTE):
+        cap, row = cap.removesuffix(COMPUTE), row + COMPUTE
+    buckets = int(cap) if cap else spec.get("buckets")
     if row.startswith("fzero_") and not row.endswith(COMPUTE):
         with torch.device("meta"):
             model = GPT(cfg, seed=0)
@@ -436,7 +452,7 @@ def build_row(row: str, spec: dict, device: torch.device, rank: int):
         comm = fzero.TorchComm(transport="shm" if row in SHM_ROWS else None)
         if row.endswith(COMPUTE):  # the same step, communication replaced by no-ops
             comm = nocomm = NoComm(rank, world, device=device)
-        step, state_bytes = build_fzero(model, stage, comm, spec.get("buckets"))
+        step, state_bytes = build_fzero(model, stage, comm, buckets)
     else:
         step, state_bytes = build_deepspeed(model, int(row[-1]), batch // world)
     return step, state_bytes, nocomm
@@ -624,7 +640,7 @@ def run_paired_rounds(rows: list[str], args: argparse.Namespace, tmp: str) -> di
             times[row] += [max(ts) for ts in zip(*per_rank, strict=True)]
             losses[row] = ranks[0]["paired"][row]["loss"]
         print(f"  round {rnd + 1}: " + ", ".join(
-            f"{LABELS[row]} {fmt_ms(statistics.median(times[row][-args.steps:]))} ms"
+            f"{label(row)} {fmt_ms(statistics.median(times[row][-args.steps:]))} ms"
             for row in rows) + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     return {"times": times, "losses": losses}
 
@@ -647,7 +663,7 @@ def print_paired(rows: list[str], paired: dict) -> None:
         f"{heads[b]}: median per-step ratio (quartiles)" for b in bases) + " | last loss |")
     print("|---|---:|" + "---:|" * len(bases) + "---:|")
     for row in rows:
-        print(f"| {LABELS[row]} | {fmt_ms(statistics.median(times[row]))} | "
+        print(f"| {label(row)} | {fmt_ms(statistics.median(times[row]))} | "
               + " | ".join(ratio(row, b) for b in bases)
               + f" | {paired['losses'][row]:.4f} |")
     print(f"Each step of a row is divided by the step of the reference row in the same turn "
@@ -725,7 +741,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="times every row runs, interleaved")
     ap.add_argument("--max-rounds", type=int, default=None,
                     help="with --quiet: run rows without a quiet round again, up to this many")
-    ap.add_argument("--rows", default=None, help="comma-separated subset, e.g. ddp,fsdp2")
+    ap.add_argument("--rows", default=None,
+                    help="comma-separated subset, e.g. ddp,fsdp2; an fzero row may take its own "
+                         "bucket cap in elements (fzero_1@6553600) beside the default's")
     ap.add_argument("--no-overlap", action="store_true", help="skip fzero's t_compute/t_comm")
     ap.add_argument("--quiet", type=float, default=None, metavar="CORES",
                     help="before each row, wait until other processes use fewer cores")
@@ -759,21 +777,26 @@ def main() -> None:
     rows = list(TORCH_ROWS) + list(FZERO_ROWS) + list(SHM_ROWS) + list(DEEPSPEED_ROWS)
     if args.rows:
         wanted = args.rows.split(",")
-        unknown = sorted(set(wanted) - set(LABELS))
-        if unknown:
-            raise SystemExit(f"unknown --rows {unknown}; choose from {sorted(LABELS)}")
-        rows = [r for r in rows if r in wanted]
+        unknown = sorted({base_row(r) for r in wanted} - set(LABELS))
+        capped = [r for r in wanted if CAPPED in r]
+        bad = [r for r in capped if base_row(r) not in FZERO_ROWS + SHM_ROWS
+               or not r.partition(CAPPED)[2].isdigit() or int(r.partition(CAPPED)[2]) < 1]
+        if unknown or bad:
+            raise SystemExit(f"unknown --rows {unknown or bad}; choose from {sorted(LABELS)} "
+                             f"(an fzero row may take a bucket cap: fzero_1{CAPPED}6553600)")
+        rows = [r for r in rows if r in wanted] + capped
     skipped = {} if has_deepspeed else {
         r: "deepspeed is not installed (pip install -e '.[bench]')" for r in DEEPSPEED_ROWS}
     if torch.cuda.is_available():
-        skipped.update({r: "the shared-memory transport is gloo's (CPU)" for r in SHM_ROWS})
+        skipped.update({r: "the shared-memory transport is gloo's (CPU)" for r in rows
+                        if base_row(r) in SHM_ROWS})
     runs = [r for r in rows if r not in skipped]
     if args.paired:
         runs = [r for r in runs if r not in DEEPSPEED_ROWS]
         if len(runs) < 2 or args.steps < 2:
             raise SystemExit("--paired needs two or more torch or fzero rows and --steps >= 2")
     elif not args.no_overlap:
-        runs += [r + COMPUTE for r in rows if r in FZERO_ROWS]
+        runs += [r + COMPUTE for r in rows if base_row(r) in FZERO_ROWS]
 
     psi = num_params(GPT(cfg))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -811,8 +834,8 @@ def main() -> None:
                 res = run_row(row, args, tmp)
                 res["load"] = load
                 per_round[row].append(res)
-                label = LABELS[row.removesuffix(COMPUTE)] + (" (compute)" if COMPUTE in row
-                                                             else "")
+                name = label(row.removesuffix(COMPUTE)) + (" (compute)" if COMPUTE in row
+                                                           else "")
                 status = res.get("error") or f"{fmt_ms(res['median'])} ms"
                 if "compute_median" in res:  # a t_compute row times three things in turn
                     status = (f"t_step {status}, t_compute {fmt_ms(res['compute_median'])} ms, "
@@ -820,7 +843,7 @@ def main() -> None:
                 quiet = f", others {others:.2f} cores before" if others is not None else ""
                 if "others_cores" in res:
                     quiet += f", others {res['others_cores']:.2f} cores during"
-                print(f"  round {rnd + 1}: {label:<38} {status}  ({time.perf_counter() - t0:.0f}"
+                print(f"  round {rnd + 1}: {name:<38} {status}  ({time.perf_counter() - t0:.0f}"
                       f" s, load {load:.2f}{quiet})", flush=True)
             rnd += 1
             todo = runs if rnd < args.rounds else [
@@ -852,7 +875,7 @@ def print_tables(rows, results, args, cfg, batch) -> None:
     for row in rows:
         res = results[row]
         if "error" in res:
-            print(f"| {LABELS[row]} | not run: {res['error']} | | | | | | | | | | |")
+            print(f"| {label(row)} | not run: {res['error']} | | | | | | | | | | |")
             continue
         state = "-" if min(res["state"]) < 0 else fmt_mib(res["state"])
         rounds = ", ".join(fmt_ms(m) if used else f"[{fmt_ms(m)}]" for m, used in res["medians"])
@@ -860,7 +883,7 @@ def print_tables(rows, results, args, cfg, batch) -> None:
         load = "/".join(f"{x:.1f}" for x in res["load"])
         others = "/".join(f"{x:.2f}" for x in res["others"]) or "-"
         print(
-            f"| {LABELS[row]} | {fmt_ms(res['median'])} ({rounds}{failed}) "
+            f"| {label(row)} | {fmt_ms(res['median'])} ({rounds}{failed}) "
             f"| {tokens / res['median']:,.0f} | {ratio(res, 'ddp')} | {ratio(res, 'ddp_zero')} "
             f"| {ratio(res, 'fsdp2')} | {fmt_ms(res['cpu'])} | {state} | {fmt_mib(res['peak'])} "
             f"({fmt_mib(res['delta'])}) | {fmt_mib(res['steps_peak'])} | {res['loss']:.4f} "
@@ -869,10 +892,10 @@ def print_tables(rows, results, args, cfg, batch) -> None:
     cuda = [(row, results[row]) for row in rows if any(results[row].get("cuda") or [])]
     if cuda:
         print("\nCUDA peak allocated MiB (rank 0, worst round): " + ", ".join(
-            f"{LABELS[row]} {max(res['cuda']):,.0f}" for row, res in cuda))
+            f"{label(row)} {max(res['cuda']):,.0f}" for row, res in cuda))
 
     overlaps = [(row, results[row + COMPUTE]) for row in rows
-                if row in FZERO_ROWS and "comm" in results.get(row + COMPUTE, {})]
+                if base_row(row) in FZERO_ROWS and "comm" in results.get(row + COMPUTE, {})]
     if overlaps:
         print("\n| trainer | t_step ms | t_compute ms (no-op comm, same N) "
               "| t_comm ms (its collectives alone) | collectives per step | overlap "
@@ -881,7 +904,7 @@ def print_tables(rows, results, args, cfg, batch) -> None:
         for row, parts in overlaps:
             t_step, t_compute, t_comm = parts["median"], parts["compute"], parts["comm"]
             hidden, contention = split_step(t_step, t_compute, t_comm)
-            print(f"| {LABELS[row]} | {fmt_ms(t_step)} | {fmt_ms(t_compute)} | {fmt_ms(t_comm)} "
+            print(f"| {label(row)} | {fmt_ms(t_step)} | {fmt_ms(t_compute)} | {fmt_ms(t_comm)} "
                   f"| {parts['collectives']} | {hidden:.2f} | {fmt_ms(contention)} |")
         print("All three from the same processes, a step of each in turn (median of the turns; "
               "t_step here is the row's step in those processes). overlap = the share of "

@@ -477,7 +477,7 @@ def init(
     module_buffers = dict(model.named_buffers()) if isinstance(model, nn.Module) else {}
     fingerprint_check(comm, buffers_fingerprint(module_buffers), "buffers fingerprint (buffer "
                       "names, shapes and dtypes)")
-    source = _bucket_source(model, comm.rank, device, init_fn, load)
+    source = _bucket_source(model, comm.rank, device, init_fn, load, source_layout)
     params, grads, master = [], [], []
     for index, bucket in enumerate(source_layout.buckets):
         truth = _on_rank0(comm, lambda b=bucket: source(b), f"bucket {bucket.label!r}")
@@ -573,12 +573,18 @@ def _bucket_source(
     device: torch.device,
     init_fn: Callable[[nn.Module], None] | None,
     load: Callable[[Sequence[str]], Mapping[str, Tensor]] | None,
+    layout: ShardLayout,
 ) -> Callable[[Bucket], Tensor]:
-    """``source(bucket) -> (padded_numel,)`` flat values of the bucket on `device`.
+    """``source(bucket) -> (padded_numel,)`` flat values of the bucket on `device`, called for
+    `layout`'s buckets in order.
 
     For a meta model, only rank 0 initializes or loads: the other ranks' values would be
     overwritten by its broadcast, so they get an uninitialized buffer of the right size (and
-    an `init_fn` drawing from a seeded global RNG draws the same numbers whatever N is).
+    an `init_fn` drawing from a seeded global RNG draws the same numbers whatever N is). A
+    module whose parameters span buckets (a size cap between a weight and its bias) is
+    initialized once, when its first bucket comes, and kept until its last: calling `init_fn`
+    again would draw its random numbers twice, and every later value would differ from a
+    materialized model's.
     """
     tensors = (
         dict(model.named_parameters(remove_duplicate=False))
@@ -599,6 +605,9 @@ def _bucket_source(
     if load is None and not isinstance(model, nn.Module):
         raise TypeError("init_fn= needs the nn.Module (on the meta device), not a state dict")
 
+    owned = _owners([entry.name for bucket in layout.buckets for entry in bucket.entries])
+    started: dict[str, tuple[nn.Module, set[str]]] = {}  # initialized, names still to take
+
     def materialized(bucket: Bucket) -> Tensor:
         if rank != 0:  # overwritten by rank 0's broadcast: no values needed
             return torch.empty(bucket.padded_numel, dtype=bucket.torch_dtype, device=device)
@@ -607,7 +616,8 @@ def _bucket_source(
             return _flat_of(bucket, _pick(values, bucket.entries, "load"), device)
         assert init_fn is not None and isinstance(model, nn.Module)
         names = [e.name for e in bucket.entries]
-        return _flat_of(bucket, _initialized(model, names, device, init_fn), device)
+        return _flat_of(bucket, _initialized(model, names, device, init_fn, started, owned),
+                        device)
 
     return materialized
 
@@ -647,9 +657,13 @@ def _buffers(
 def _initialized(
     model: nn.Module, names: Sequence[str], device: torch.device,
     init_fn: Callable[[nn.Module], None],
+    started: dict[str, tuple[nn.Module, set[str]]] | None = None,
+    owned: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, Tensor]:
     """The values of parameters and buffers `names` of a meta `model` on `device`: each owning
-    module materialized alone and initialized by `init_fn` (`_materialized`).
+    module materialized alone and initialized by `init_fn` (`_materialized`). With `started`
+    and `owned` (every name each module owns, over all calls), a module is initialized once
+    across calls: kept in `started` until the calls have taken all its names.
 
     Raises:
         ValueError: `init_fn` left some of them unwritten (a module type it does not handle):
@@ -659,10 +673,20 @@ def _initialized(
             only that; a bool one is not checked.
     """
     values: dict[str, Tensor] = {}
-    for prefix, owned in _owners(names).items():
-        module = _materialized(model.get_submodule(prefix), device, init_fn)
-        for name in owned:
+    for prefix, these in _owners(names).items():
+        if started is not None and prefix in started:
+            module, left = started[prefix]
+        else:
+            module = _materialized(model.get_submodule(prefix), device, init_fn)
+            left = set(owned[prefix]) if owned is not None else set(these)
+        for name in these:
             values[name] = getattr(module, name.rsplit(".", 1)[-1]).detach()
+        left -= set(these)
+        if started is not None:
+            if left:
+                started[prefix] = (module, left)
+            else:
+                started.pop(prefix, None)
     left = [name for name, value in values.items() if _unwritten(value)]
     if left:
         owners = sorted({type(model.get_submodule(n.rsplit(".", 1)[0]) if "." in n else model)

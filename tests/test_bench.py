@@ -182,15 +182,18 @@ def test_bench_step_runs_on_the_gpu() -> None:
 @pytest.mark.slow
 def test_bench_step_paired_runs() -> None:
     """--paired: the rows share processes, a step of each in turn; each row gets a median step
-    time and a per-step ratio to each reference row (1.00 against itself); the losses agree."""
+    time and a per-step ratio to each reference row (1.00 against itself); the losses agree.
+    A row may carry its own bucket cap (``fzero_1@2000``), beside the default policy's."""
     out = run(str(EXAMPLES / "bench_step.py"), "--nproc", "2", "--size", "tiny", "--steps", "2",
-              "--warmup", "1", "--rounds", "1", "--paired", "--rows", "ddp,fsdp2,fzero_3")
+              "--warmup", "1", "--rounds", "1", "--paired", "--rows",
+              "ddp,fsdp2,fzero_3,fzero_1@2000")
     rows = table_rows(out)
     ratio = r"[\d.]+ \([\d.]+–[\d.]+\)"
     assert re.fullmatch(rf"\| DDP \+ AdamW \| [\d.,]+ \| 1\.00 \| {ratio} \| [\d.]+ \|",
                         rows["DDP + AdamW"][0]), out
-    assert re.fullmatch(rf"\| fzero stage 3 \| [\d.,]+ \| {ratio} \| {ratio} \| [\d.]+ \|",
-                        rows["fzero stage 3"][0]), out
+    for label in ("fzero stage 3", "fzero stage 1 (buckets of 2,000)"):
+        assert re.fullmatch(rf"\| {re.escape(label)} \| [\d.,]+ \| {ratio} \| {ratio} \| "
+                            rf"[\d.]+ \|", rows[label][0]), out
     assert len({row[0].rsplit("|", 2)[1] for row in rows.values() if "loss" not in row[0]}) == 1
     assert "(2 turns)" in out
 

@@ -80,6 +80,22 @@ def test_init_fn_on_meta_equals_materialized_init(stage, world):
         assert torch.equal(buffers["scale"], want.scale)
 
 
+@pytest.mark.parametrize("cap", [150, 170, 200])
+def test_init_fn_equals_materialized_init_when_a_module_spans_buckets(cap):
+    """A size cap can put a module's weight and bias in two buckets: init_fn ran on the
+    module once per bucket, drawing its weight twice, and every later parameter differed from
+    the materialized model's (found through bench_step's bucket-cap rows). These caps split
+    a Linear layer (144 + 12 elements) or a LayerNorm from its bias at different points."""
+    want = materialized()
+    layout = fzero.plan(meta_model(), 2, buckets=cap)
+    owners = [{e.name.rsplit(".", 1)[0] for e in b.entries} for b in layout.buckets]
+    assert any(a & b for a, b in zip(owners, owners[1:], strict=False))  # a module split
+    for params, _ in fzero.SimWorld(2).run(init_and_gather, meta_model(), 3, init_fn=init_fn,
+                                           buckets=cap):
+        for name, value in want.named_parameters():
+            assert torch.equal(params[name], value.detach()), name
+
+
 def test_load_on_meta_equals_init_from_the_materialized_model():
     source = materialized(seed=3)
     state_dict = {k: v.detach().clone() for k, v in source.state_dict().items()}
