@@ -436,9 +436,8 @@ def _tie_key(tensor: torch.Tensor) -> object:
     memory (a ``state_dict()`` or ``detach()`` makes a new tensor object per name of a tied
     weight; planned apart, the two would train apart). Meta and empty tensors have no elements
     to share. (A module's parameters are tied by identity, as torch ties them.)"""
-    if tensor.is_meta or tensor.numel() == 0:
-        return id(tensor)
-    if type(tensor) not in (torch.Tensor, nn.Parameter):  # subclasses may have no storage
+    if (tensor.is_meta or tensor.numel() == 0
+            or type(tensor) not in (torch.Tensor, nn.Parameter)):  # (subclasses: no storage?)
         return id(tensor)
     return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(),
             tensor.dtype)

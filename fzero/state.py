@@ -651,19 +651,19 @@ def _buffers(
                    f"on the CPU" if transient else ""))
         return {n: values[n].detach().to(device, b.dtype).clone() for n, b in named.items()}
     assert init_fn is not None
-    return _initialized(model, list(named), device, init_fn)
+    return _initialized(model, list(named), device, init_fn, {}, _owners(list(named)))
 
 
 def _initialized(
     model: nn.Module, names: Sequence[str], device: torch.device,
     init_fn: Callable[[nn.Module], None],
-    started: dict[str, tuple[nn.Module, set[str]]] | None = None,
-    owned: Mapping[str, Sequence[str]] | None = None,
+    started: dict[str, tuple[nn.Module, set[str]]],
+    owned: Mapping[str, Sequence[str]],
 ) -> dict[str, Tensor]:
     """The values of parameters and buffers `names` of a meta `model` on `device`: each owning
-    module materialized alone and initialized by `init_fn` (`_materialized`). With `started`
-    and `owned` (every name each module owns, over all calls), a module is initialized once
-    across calls: kept in `started` until the calls have taken all its names.
+    module materialized alone and initialized by `init_fn` (`_materialized`), once across
+    calls: `owned` lists every name each module owns over all of them, and `started` keeps a
+    module until the calls have taken all its names.
 
     Raises:
         ValueError: `init_fn` left some of them unwritten (a module type it does not handle):
@@ -674,19 +674,13 @@ def _initialized(
     """
     values: dict[str, Tensor] = {}
     for prefix, these in _owners(names).items():
-        if started is not None and prefix in started:
-            module, left = started[prefix]
-        else:
-            module = _materialized(model.get_submodule(prefix), device, init_fn)
-            left = set(owned[prefix]) if owned is not None else set(these)
+        module, remaining = started.pop(prefix, None) or (
+            _materialized(model.get_submodule(prefix), device, init_fn), set(owned[prefix]))
         for name in these:
             values[name] = getattr(module, name.rsplit(".", 1)[-1]).detach()
-        left -= set(these)
-        if started is not None:
-            if left:
-                started[prefix] = (module, left)
-            else:
-                started.pop(prefix, None)
+        remaining -= set(these)
+        if remaining:  # its other names come in a later bucket
+            started[prefix] = (module, remaining)
     left = [name for name, value in values.items() if _unwritten(value)]
     if left:
         owners = sorted({type(model.get_submodule(n.rsplit(".", 1)[0]) if "." in n else model)

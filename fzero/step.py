@@ -953,8 +953,8 @@ class _ShardedSession:
 
         def copying(call: Callable[..., Any], micro: Any) -> Any:
             return pytree.tree_map_only(
-                Tensor, lambda t: t.detach().clone()
-                if t.untyped_storage()._cdata in gathered else t, fn(call, micro))
+                Tensor, lambda t: t.detach().clone() if _in_storage(t, gathered) else t,
+                fn(call, micro))
 
         try:  # (copied inside forward: a parameter whose bucket was released gathers again)
             out = self._forward(copying, model, batch)
@@ -993,9 +993,6 @@ def _sharded(
         session.close()
 
 
-# --- the phases after backward ----------------------------------------------------------------
-
-
 def _check_grad_mode() -> None:
     """A train step differentiates the loss: refuse to start where torch would not record."""
     if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
@@ -1004,6 +1001,17 @@ def _check_grad_mode() -> None:
             "torch.set_grad_enabled(False) around it): a train step differentiates the loss; "
             "call it outside such a block (make_eval_step is the step without gradients)"
         )
+
+
+def _in_storage(t: Tensor, storages: set[int]) -> bool:
+    """Whether `t` views one of `storages` (by ``_cdata``); False for a tensor without one."""
+    try:
+        return t.untyped_storage()._cdata in storages
+    except (RuntimeError, NotImplementedError):  # sparse, nested: never a bucket's view
+        return False
+
+
+# --- the phases after backward ----------------------------------------------------------------
 
 
 def _settings_bits(parts: Mapping[str, str]) -> int:
