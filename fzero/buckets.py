@@ -391,8 +391,9 @@ class Reducer:
         index = flight.index
         if flight.host is not None:
             took = flight.host.result()  # re-raises the reduction's error
-            if index not in self.stalled:
-                self.rates.append(took / self.layout.buckets[index].padded_numel)
+            size = self.layout.buckets[index].padded_numel
+            if index not in self.stalled and size:  # (a bucket of empty parameters: no rate)
+                self.rates.append(took / size)
                 del self.rates[:-_RATES_KEPT]
         value = flight.pending.wait()
         if self.mode == "scatter_leaves":

@@ -580,11 +580,13 @@ def _bucket_source(
 
     For a meta model, only rank 0 initializes or loads: the other ranks' values would be
     overwritten by its broadcast, so they get an uninitialized buffer of the right size (and
-    an `init_fn` drawing from a seeded global RNG draws the same numbers whatever N is). A
-    module whose parameters span buckets (a size cap between a weight and its bias) is
-    initialized once, when its first bucket comes, and kept until its last: calling `init_fn`
-    again would draw its random numbers twice, and every later value would differ from a
-    materialized model's.
+    an `init_fn` drawing from a seeded global RNG draws the same numbers whatever N is).
+    Modules are initialized once each and in ``model.modules()`` order, whatever the bucket
+    order (a frozen module's bucket after its trainable neighbours', an explicit list in
+    another order, a size cap between a weight and its bias): a module a bucket needs first
+    initializes every module before it, and each is kept until its last bucket has taken its
+    values. Otherwise `init_fn`'s random draws would come in another order, or twice, and the
+    values would differ from a materialized model's. (In module order, that keeps one module.)
     """
     tensors = (
         dict(model.named_parameters(remove_duplicate=False))
@@ -607,6 +609,19 @@ def _bucket_source(
 
     owned = _owners([entry.name for bucket in layout.buckets for entry in bucket.entries])
     started: dict[str, tuple[nn.Module, set[str]]] = {}  # initialized, names still to take
+    order = ([prefix for prefix, _ in model.named_modules() if prefix in owned]
+             if isinstance(model, nn.Module) else [])
+    order += [prefix for prefix in owned if prefix not in order]
+    position = {prefix: k for k, prefix in enumerate(order)}
+    done = 0  # how many of `order` are initialized
+
+    def initialize_through(last: int) -> None:
+        nonlocal done
+        assert init_fn is not None and isinstance(model, nn.Module)
+        for prefix in order[done : last + 1]:
+            started[prefix] = (_materialized(model.get_submodule(prefix), device, init_fn),
+                               set(owned[prefix]))
+        done = max(done, last + 1)
 
     def materialized(bucket: Bucket) -> Tensor:
         if rank != 0:  # overwritten by rank 0's broadcast: no values needed
@@ -616,6 +631,7 @@ def _bucket_source(
             return _flat_of(bucket, _pick(values, bucket.entries, "load"), device)
         assert init_fn is not None and isinstance(model, nn.Module)
         names = [e.name for e in bucket.entries]
+        initialize_through(max((position[prefix] for prefix in _owners(names)), default=-1))
         return _flat_of(bucket, _initialized(model, names, device, init_fn, started, owned),
                         device)
 

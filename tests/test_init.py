@@ -96,6 +96,45 @@ def test_init_fn_equals_materialized_init_when_a_module_spans_buckets(cap):
             assert torch.equal(params[name], value.detach()), name
 
 
+class Kinds(nn.Module):
+    """Three Linear layers, the middle one frozen (or of another dtype): one default group
+    that splits into a trainable bucket (a, c) and a frozen one (b), out of module order."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4, dtype=dtype), nn.Linear(4, 4)
+        self.b.requires_grad_(dtype != torch.float32)
+
+
+def normal_init(module: nn.Module) -> None:
+    for p in module.parameters(recurse=False):
+        p.normal_()
+
+
+@pytest.mark.parametrize(("dtype", "buckets"), [
+    (torch.float32, None), (torch.bfloat16, None), (torch.float32, 1),
+    (torch.float32, [["c.weight", "c.bias"], ["a.weight", "a.bias", "b.weight", "b.bias"]]),
+])
+def test_init_fn_runs_in_module_order_whatever_the_bucket_order(dtype, buckets):
+    """The default policy puts a frozen (or bfloat16) module's bucket after its trainable
+    neighbours', and an explicit list may come in any order: init_fn ran in bucket order, so
+    the random draws came in another order than a materialized model's (a probe)."""
+    want = Kinds(dtype)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in want.modules():
+            normal_init(module)
+    with torch.device("meta"):
+        meta = Kinds(dtype)
+    layout = fzero.plan(meta, 2, buckets=buckets)
+    order = [e.name[0] for b in layout.buckets for e in b.entries]
+    assert order != sorted(order) or buckets == 1  # bucket order is not module order
+    for params, _ in fzero.SimWorld(2).run(init_and_gather, meta, 3, init_fn=normal_init,
+                                           buckets=buckets):
+        for name, value in want.named_parameters():
+            assert torch.equal(params[name], value.detach()), name
+
+
 def test_load_on_meta_equals_init_from_the_materialized_model():
     source = materialized(seed=3)
     state_dict = {k: v.detach().clone() for k, v in source.state_dict().items()}

@@ -1037,3 +1037,40 @@ def test_inference_mode_and_no_grad_around_steps(stage: int) -> None:
         assert loss_i == loss
         for name, value in params.items():
             exact(params_i[name], value)
+
+
+class _WithEmpty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.empty = nn.Parameter(torch.zeros(0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) + self.empty.sum()
+
+
+def _empty_bucket_steps(comm: Any, model: nn.Module, x: Tensor, stage: int) -> Any:
+    state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1),
+                       buckets=[["lin.weight", "lin.bias"], ["empty"]])
+    step = fzero.make_train_step(model, lambda call, b: call(b).pow(2).mean())
+    for _ in range(2):
+        state, _ = step(state, split_batch((x,), comm.rank, comm.world_size)[0])
+    return fzero.full_params(state)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_bucket_of_an_empty_parameter_trains(stage: int) -> None:
+    """A bucket holding only a zero-size parameter: stage 3 raised ZeroDivisionError (its
+    reduction's rate per element; a probe), and gloo could not split its 0-element chunks."""
+    torch.manual_seed(0)
+    model = _WithEmpty()
+    x = torch.randn(4, 3)
+    want = copy.deepcopy(model)
+    opt = torch.optim.SGD(want.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        want(x).pow(2).mean().backward()
+        opt.step()
+    for params in run(2, _empty_bucket_steps, model, x, stage):
+        for name, value in want.named_parameters():
+            torch.testing.assert_close(params[name], value.detach(), rtol=1e-6, atol=1e-7)

@@ -237,3 +237,41 @@ def test_a_module_registered_under_two_names_is_left_as_it_was(stage: int) -> No
         assert untouched
         for name, value in reference.named_parameters(remove_duplicate=False):
             torch.testing.assert_close(params[name], value.detach(), rtol=0, atol=1e-14)
+
+
+def _save_on_meta_then_load(comm: Any, model: Any, path: str, stage: int,
+                            load_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One step, ``model.to("meta")`` (the README's pattern), save, load with `load_kwargs`
+    (another bucket policy or trainable set), the remaining steps."""
+    batches = gb.gpt_batches(STEPS)
+    state = fzero.init(model, stage=stage, optimizer=gb.make_optimizer(("sgd", gb.SGD)),
+                       comm=comm)
+    model.to("meta")
+    step = fzero.make_train_step(model, gb.gpt_loss)
+    state, first = step(state, gb.rank_rows(batches[0], comm.rank, comm.world_size))
+    fzero.save(state, path)
+    state = fzero.load(path, model=model, comm=comm, **load_kwargs)
+    losses = [first["loss"]]
+    for batch in batches[1:]:
+        state, metrics = step(state, gb.rank_rows(batch, comm.rank, comm.world_size))
+        losses.append(metrics["loss"])
+    return {"losses": losses, "params": fzero.full_params(state), "layout": state.layout}
+
+
+@pytest.mark.parametrize("load_kwargs", [
+    {"buckets": 1}, {"buckets": 200}, {"trainable": lambda name: True},
+], ids=["one-element-cap", "cap", "trainable"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_load_with_another_policy_keeps_a_tie_the_meta_model_lost(
+    tmp_path: Any, stage: int, load_kwargs: dict[str, Any]
+) -> None:
+    """After ``model.to("meta")`` each name of a tied weight has its own tensor; a load with
+    a new bucket policy or trainable set planned on those names stored the tie as two
+    parameters, which trained apart (a probe: the embedding 0.26 off after two steps). The
+    checkpoint's ties are kept."""
+    want = gb.reference(TinyGPT().double(), gb.gpt_loss, gb.gpt_batches(STEPS), gb.torch_sgd)
+    out = fzero.SimWorld(2).run(_save_on_meta_then_load, TinyGPT().double(),
+                                str(tmp_path / "c"), stage, load_kwargs)[0]
+    assert any(e.aliases for b in out["layout"].buckets for e in b.entries)
+    gb.assert_parity(out, want)
+    assert torch.equal(out["params"]["lm_head.weight"], out["params"]["tok_emb.weight"])

@@ -10,6 +10,7 @@ the state's own buffers, and with an unchanged layout one read per stored shard.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from collections.abc import Mapping, Sequence
@@ -262,6 +263,7 @@ def _layout(
 ) -> ShardLayout:
     """The new layout, after checking that `model` is the saved model."""
     saved = manifest.layout
+    model = _retied(model, saved)
     planned = plan(model, world_size)
     mismatch = compare(saved, planned)
     if mismatch:
@@ -354,6 +356,33 @@ def _check_buffers(
             f"{_listing('buffer dtypes differ (checkpoint vs model)', dtypes)}"
         )
     return list(named)
+
+
+def _retied(
+    model: nn.Module | Mapping[str, Tensor], saved: ShardLayout
+) -> nn.Module | Mapping[str, Tensor]:
+    """`model` with the saved ties that it lost only by moving to `meta` restored, for planning
+    (``model.to("meta")`` gives each name of a tied weight its own tensor): a new bucket policy
+    planned on the untied names stored and trained the tie as two parameters. A copy (on meta:
+    no memory); the user's model is left alone."""
+    named = (dict(model.named_parameters(remove_duplicate=False))
+             if isinstance(model, nn.Module) else flatten_names(model))
+    lost = [entry for bucket in saved.buckets for entry in bucket.entries
+            if entry.aliases and all(name in named and named[name].is_meta
+                                     for name in entry.names)]  # (another model: named later)
+    if not lost:
+        return model
+    if not isinstance(model, nn.Module):
+        for entry in lost:
+            named.update(dict.fromkeys(entry.aliases, named[entry.name]))
+        return named
+    model = copy.deepcopy(model)
+    for entry in lost:
+        owner = model.get_parameter(entry.name)
+        for alias in entry.aliases:
+            parent, _, leaf = alias.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, owner)
+    return model
 
 
 def _on_meta(model: nn.Module | Mapping[str, Tensor], names: Sequence[str]) -> bool:
