@@ -365,10 +365,12 @@ def _retied(
     (``model.to("meta")`` gives each name of a tied weight its own tensor): a new bucket policy
     planned on the untied names stored and trained the tie as two parameters. A copy (on meta:
     no memory); the user's model is left alone."""
+    if not isinstance(model, nn.Module | Mapping):
+        return model  # (plan names what it takes)
     named = (dict(model.named_parameters(remove_duplicate=False))
              if isinstance(model, nn.Module) else flatten_names(model))
     lost = [entry for bucket in saved.buckets for entry in bucket.entries
-            if entry.aliases and all(name in named and named[name].is_meta
+            if entry.aliases and all(isinstance(named.get(name), Tensor) and named[name].is_meta
                                      for name in entry.names)]  # (another model: named later)
     if not lost:
         return model
