@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -278,10 +278,10 @@ def _layout(
     flags = trainable
     if flags is None:  # as fzero.init: the module's requires_grad (a mapping: as saved)
         flags = dict(requires_grad_flags(model) or as_saved)
-    # A tie the model has lost keeps the saved layout on meta (``model.to("meta")`` unties, and
-    # a step binds every name anyway), and is untied where the model holds separate tensors.
-    untied = any(len({planned.locate()[name][1].name for name in entry.names}) > 1
-                 and not _on_meta(model, entry.names)
+    # A tie lost on meta was restored above (`_retied`); one the model lost while holding
+    # separate tensors is untied.
+    located = planned.locate()
+    untied = any(len({located[name][1].name for name in entry.names}) > 1
                  for bucket in saved.buckets for entry in bucket.entries)
     if buckets is None and flags == as_saved and not untied:
         layout = saved.with_world_size(world_size)
@@ -385,13 +385,6 @@ def _retied(
             parent, _, leaf = alias.rpartition(".")
             setattr(model.get_submodule(parent), leaf, owner)
     return model
-
-
-def _on_meta(model: nn.Module | Mapping[str, Tensor], names: Sequence[str]) -> bool:
-    """Whether `model`'s parameters `names` are all on the meta device."""
-    named = (dict(model.named_parameters(remove_duplicate=False))
-             if isinstance(model, nn.Module) else flatten_names(model))
-    return all(named[name].is_meta for name in names)
 
 
 def _same_kind(saved: torch.dtype, model: torch.dtype) -> bool:
