@@ -436,8 +436,7 @@ def _tie_key(tensor: torch.Tensor) -> object:
     memory (a ``state_dict()`` or ``detach()`` makes a new tensor object per name of a tied
     weight; planned apart, the two would train apart). Meta and empty tensors have no elements
     to share. (A module's parameters are tied by identity, as torch ties them.)"""
-    if (tensor.is_meta or tensor.numel() == 0
-            or type(tensor) not in (torch.Tensor, nn.Parameter)):  # (subclasses: no storage?)
+    if not _in_memory(tensor) or tensor.numel() == 0:
         return id(tensor)
     return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(),
             tensor.dtype)
@@ -463,11 +462,16 @@ def first_overlap(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, str
     return None
 
 
+def _in_memory(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s elements have addresses to compare: not meta, not a subclass (which
+    may have no storage)."""
+    return not tensor.is_meta and type(tensor) in (torch.Tensor, nn.Parameter)
+
+
 def _check_no_partial_overlap(tensors: Mapping[str, torch.Tensor]) -> None:
     """Distinct parameters (ties already merged) share no element: two views of one memory
     shaped apart would be planned, sharded and trained as two parameters (`first_overlap`)."""
-    pair = first_overlap((name, t) for name, t in tensors.items()
-                         if not t.is_meta and type(t) in (torch.Tensor, nn.Parameter))
+    pair = first_overlap((name, t) for name, t in tensors.items() if _in_memory(t))
     if pair is not None:
         raise ValueError(
             f"parameters {pair[0]!r} and {pair[1]!r} share memory but are not one tensor: they "
