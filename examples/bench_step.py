@@ -433,11 +433,10 @@ def build_row(row: str, spec: dict, device: torch.device, rank: int):
     comm of a t_compute row, else None)."""
     cfg, batch = model_and_batch(spec)
     world = spec["world"]
-    row, _, cap = row.partition(CAPPED)  # (the compute suffix stays with the cap)
-    if cap.endswith(COMPUTE):
-        cap, row = cap.removesuffix(COMPUTE), row + COMPUTE
+    compute = row.endswith(COMPUTE)  # a t_compute row: the same step, no-op communication
+    row, _, cap = row.removesuffix(COMPUTE).partition(CAPPED)
     buckets = int(cap) if cap else spec.get("buckets")
-    if row.startswith("fzero_") and not row.endswith(COMPUTE):
+    if row.startswith("fzero_") and not compute:
         with torch.device("meta"):
             model = GPT(cfg, seed=0)
     else:
@@ -449,9 +448,10 @@ def build_row(row: str, spec: dict, device: torch.device, rank: int):
         step, state_bytes = build_fsdp2(model, device, world)
     elif row.startswith("fzero_"):
         stage = int(row[len("fzero_")])
-        comm = fzero.TorchComm(transport="shm" if row in SHM_ROWS else None)
-        if row.endswith(COMPUTE):  # the same step, communication replaced by no-ops
+        if compute:
             comm = nocomm = NoComm(rank, world, device=device)
+        else:
+            comm = fzero.TorchComm(transport="shm" if row in SHM_ROWS else None)
         step, state_bytes = build_fzero(model, stage, comm, buckets)
     else:
         step, state_bytes = build_deepspeed(model, int(row[-1]), batch // world)
