@@ -674,7 +674,7 @@ def _explicit_groups(
     stored: list[str], alias_of: Mapping[str, str], policy: Sequence[Sequence[str]]
 ) -> list[tuple[str, list[str]]]:
     known = set(stored) | set(alias_of)
-    seen: dict[str, int] = {}
+    seen: dict[str, tuple[int, str]] = {}  # stored name -> (bucket, the name that placed it)
     groups = []
     for index, group in enumerate(policy):
         if isinstance(group, str) or not isinstance(group, Sequence):
@@ -685,10 +685,18 @@ def _explicit_groups(
                 raise ValueError(f"buckets[{index}] names unknown parameter {name!r}")
             owner = alias_of.get(name, name)
             if owner in seen:
-                raise ValueError(
-                    f"parameter {name!r} is in buckets[{seen[owner]}] and buckets[{index}]"
-                )
-            seen[owner] = index
+                where, placed = seen[owner]
+                if placed == name:
+                    raise ValueError(
+                        f"parameter {name!r} is in buckets[{where}] and buckets[{index}]")
+                if where != index:
+                    raise ValueError(
+                        f"parameter {name!r} is in buckets[{index}], but it is tied to "
+                        f"{placed!r} (one tensor) in buckets[{where}]: a tied tensor lives "
+                        f"in one bucket; list its names together or name one of them")
+                continue  # another name of a tie already in this bucket (Bucket.names lists
+                # every name, so a layout's own bucket names are a valid buckets= list)
+            seen[owner] = (index, name)
             names.append(owner)
         groups.append((f"bucket{index}", names))
     missing = [name for name in stored if name not in seen]

@@ -420,6 +420,22 @@ def test_explicit_buckets_must_cover_every_parameter_once():
         fzero.plan(params, 2, buckets=[["a", "b", "zz"]])
 
 
+def test_a_layouts_own_bucket_names_plan_it_again_and_a_tie_split_apart_is_named():
+    """``Bucket.names`` lists every name of a tie; fed back as ``buckets=`` (a probe) it said
+    "'head.weight' is in buckets[0] and buckets[0]". Both names of one tie in one bucket are
+    one parameter; in two buckets, the message names the tie."""
+    model = Net()
+    layout = fzero.plan(model, 3, floor=1)
+    again = fzero.plan(model, 3, buckets=[list(b.names) for b in layout.buckets])
+    assert [b.entries for b in again.buckets] == [b.entries for b in layout.buckets]
+    rest = [n for n, _ in model.named_parameters() if n != "embed.weight"]
+    with pytest.raises(ValueError, match="'head.weight' is in buckets\\[1\\], but it is tied "
+                                         "to 'embed.weight' \\(one tensor\\) in buckets\\[0\\]"):
+        fzero.plan(model, 3, buckets=[["embed.weight"], rest + ["head.weight"]])
+    with pytest.raises(ValueError, match="'embed.weight' is in buckets\\[0\\] and buckets\\[0\\]"):
+        fzero.plan(model, 3, buckets=[["embed.weight", "embed.weight", *rest]])
+
+
 def test_module_policy_needs_a_module():
     with pytest.raises(TypeError, match="plan\\(model"):
         fzero.plan({"a": torch.zeros(2)}, 2, buckets=nn.Linear)
