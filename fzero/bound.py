@@ -38,9 +38,9 @@ from torch.func import functional_call
 
 from fzero.layout import ShardLayout
 
-__all__ = ["Binder", "ModuleVersions", "buffer_aliases", "buffers_fingerprint", "check_buffers",
-           "check_structure", "claim", "module_versions", "requires_grad_flags",
-           "same_values"]
+__all__ = ["Binder", "GradientWatch", "ModuleVersions", "buffer_aliases", "buffers_fingerprint",
+           "carry_attributes", "check_buffers", "check_structure", "claim", "module_versions",
+           "requires_grad_flags", "same_values"]
 
 T = TypeVar("T")
 
@@ -184,12 +184,18 @@ def _attribute(model: nn.Module, name: str) -> Any:
 
 def check_structure(
     model: nn.Module, layout: ShardLayout, *,
-    requires_grad: Sequence[tuple[str, bool]] | None = None,
-) -> None:
+    requires_grad: Sequence[tuple[str, bool]] | None = None, train: bool = False,
+) -> dict[str, Tensor]:
     """Raise if `model` no longer has the parameters, shapes and ties `layout` was planned for,
     or (given `requires_grad`, the flags `requires_grad_flags` took when the state was built)
-    if a parameter's ``requires_grad`` changed since: which parameters train is fixed when the
-    state is built, and a flag flipped later would otherwise be silently ignored.
+    if a parameter's ``requires_grad`` changed since, or (`train`: a train step's check) if a
+    parameter carries a gradient hook: which parameters train is fixed when the state is
+    built, and a flag flipped later would otherwise be silently ignored; a hook on the module's
+    parameter object (``p.register_hook``, ``p.register_post_accumulate_grad_hook``) would
+    never fire, as a step computes with the state's tensors in the parameters' place.
+
+    Returns the module's parameters by name (tied names included), for the step's later
+    checks (`carry_attributes`, `GradientWatch`).
 
     A tie in the layout that the module has lost is accepted when the module's tensors are on
     ``meta`` (``model.to("meta")`` after `fzero.init`, to drop the module's memory: fzero binds
@@ -198,11 +204,24 @@ def check_structure(
 
     Raises:
         ValueError: naming the parameters only in the state or only in the model, the shapes
-            that differ, the ties that differ, and the parameters whose ``requires_grad``
-            changed.
+            that differ, the ties that differ, the parameters whose ``requires_grad``
+            changed, and those with gradient hooks.
     """
     located = layout.locate()
     named = dict(model.named_parameters(remove_duplicate=False))
+    if train:
+        hooked = sorted(name for name, t in named.items()
+                        if t._backward_hooks or t._post_accumulate_grad_hooks)
+        if hooked:
+            raise ValueError(
+                f"parameters {hooked[:5]} carry gradient hooks (Tensor.register_hook or "
+                f"register_post_accumulate_grad_hook on the module's parameter): a step binds "
+                f"the state's tensors in the parameters' place (functional_call), so these "
+                f"hooks would never fire. Change the gradient in the loss, or with a hook "
+                f"registered inside forward on a tensor computed from the parameter "
+                f"(`w = self.weight * 1; w.register_hook(fn)`), or clip with "
+                f"make_train_step's clip_norm"
+            )
     if requires_grad is not None:
         then = dict(requires_grad)
         flipped = sorted(name for name, t in named.items()
@@ -254,6 +273,40 @@ def check_structure(
                     f"model.tie_weights()), or move the module to 'meta' if you only need it "
                     f"as a function (fzero binds every tied name to the state's one tensor)"
                 )
+    return named
+
+
+class GradientWatch:
+    """The gradients of a module's own parameter objects as a train step starts, to tell
+    afterwards whether the step's forward reached one of them.
+
+    A step binds the state's tensors under the module's registered names (functional_call);
+    forward code that reaches a parameter some other way (a list or dict attribute holding it,
+    ``self.__dict__``, a closure kept from ``__init__``) computes with the module's own,
+    stale values, and autograd leaves the gradient on that object: `reached` names them."""
+
+    def __init__(self, named: Mapping[str, Tensor]) -> None:
+        before: dict[int, tuple[str, Tensor, Tensor | None, int]] = {}
+        for name, tensor in named.items():
+            if tensor.requires_grad and not tensor.is_meta and id(tensor) not in before:
+                grad = tensor.grad
+                before[id(tensor)] = (name, tensor, grad, -1 if grad is None else grad._version)
+        self._before = tuple(before.values())
+
+    def reached(self) -> list[str]:
+        """The parameters (one name each) whose gradient was set or written since."""
+        return [name for name, tensor, grad, version in self._before
+                if tensor.grad is not grad or (grad is not None and grad._version != version)]
+
+
+def carry_attributes(bindings: Mapping[str, Tensor], named: Mapping[str, Tensor]) -> None:
+    """Give each bound tensor the Python attributes its module parameter carries
+    (``p.flag = ...``; Hugging Face's ``_is_hf_initialized``), so that forward code reading
+    them (``getattr(self.weight, "flag", default)``) sees them, as it would on the module."""
+    for name, tensor in named.items():
+        attributes = tensor.__dict__
+        if attributes and name in bindings:
+            bindings[name].__dict__.update(attributes)
 
 
 def buffer_aliases(model: nn.Module | Mapping[str, Tensor]) -> tuple[tuple[str, str], ...]:

@@ -35,9 +35,10 @@ and byte accounting from `CommBase`, so counters and error messages are those of
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,48 @@ class SimWorldError(RuntimeError):
 
 class _Aborted(RuntimeError):
     """A collective released because another rank failed (a secondary failure)."""
+
+
+def _copied(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``copy.deepcopy((args, kwargs))``, with what torch's deep copy of a parameter drops
+    put back or refused: a parameter's Python attributes (``p.flag = ...``, Hugging Face's
+    ``_is_hf_initialized``; forward code may read them) are copied onto the copy's
+    parameter; gradient hooks (``p.register_hook``), which a copy would silently lose, raise
+    (each rank training without them would differ from the processes it simulates)."""
+    copied = copy.deepcopy((args, kwargs))
+    pairs = itertools.chain(
+        *(_parameter_pairs(a, b, f"argument {i}") for i, (a, b) in enumerate(
+            zip(args, copied[0], strict=True))),
+        *(_parameter_pairs(a, copied[1][key], f"argument {key}") for key, a in kwargs.items()))
+    for name, original, twin in pairs:
+        if original._backward_hooks or original._post_accumulate_grad_hooks:
+            raise ValueError(
+                f"SimWorld.run gives each rank a deep copy of its arguments, and the copy of "
+                f"parameter {name} would not carry the gradient hooks registered on it: "
+                f"register them inside the rank's function, or build the model there, or "
+                f"share the arguments (SimWorld(..., copy_args=False))"
+            )
+        if original.__dict__ and not twin.__dict__:
+            twin.__dict__.update(copy.deepcopy(original.__dict__))
+    return copied
+
+
+def _parameter_pairs(
+    original: Any, copied: Any, where: str
+) -> Iterator[tuple[str, Tensor, Tensor]]:
+    """The parameters of the modules (and the bare parameters) in `original`, each named and
+    with its counterpart in `copied` (its deep copy), through tuples, lists and dicts."""
+    if isinstance(original, torch.nn.Module):
+        for (name, a), b in zip(original.named_parameters(), copied.parameters(), strict=True):
+            yield f"{name!r} of {where}", a, b
+    elif isinstance(original, torch.nn.Parameter):
+        yield where, original, copied
+    elif isinstance(original, tuple | list):
+        for index, (a, b) in enumerate(zip(original, copied, strict=True)):
+            yield from _parameter_pairs(a, b, f"{where}[{index}]")
+    elif isinstance(original, dict):
+        for (key, a), b in zip(original.items(), copied.values(), strict=True):
+            yield from _parameter_pairs(a, b, f"{where}[{key!r}]")
 
 
 def _secondary(error: BaseException | None) -> bool:
@@ -382,11 +425,15 @@ class SimWorld:
             SimWorldError: If any rank raised (or a collective mismatched or timed out), naming
                 the rank, with the original exception as `__cause__`.
             TypeError: If `copy_args` and the arguments cannot be deep-copied.
+            ValueError: If `copy_args` and a parameter of a module in the arguments carries
+                gradient hooks, which a copy cannot carry (see `_copied`).
         """
         n = self.n
         if self.copy_args:
             try:
-                per_rank = [copy.deepcopy((args, kwargs)) for _ in range(n)]
+                per_rank = [_copied(args, kwargs) for _ in range(n)]
+            except ValueError:
+                raise
             except Exception as exc:
                 raise TypeError(
                     f"SimWorld.run could not deep-copy the arguments of {fn!r} for each rank "

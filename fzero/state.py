@@ -433,11 +433,12 @@ def init(
         init_fn: for a ``meta`` model: ``init_fn(module)`` initializes, in place and under
             ``torch.no_grad()``, the module's *own* parameters and buffers (materialized with
             uninitialized memory; its children stay on ``meta``, where operations are free
-            no-ops). It is called once per module that owns parameters of a bucket, in bucket
-            order, then for modules owning buffers. With the same seed, the values equal those of
+            no-ops). It is called once per module that owns parameters, in
+            ``model.modules()`` order whatever the bucket order (a bucket that needs a module
+            first initializes every module before it, each kept until its last bucket), then
+            for modules owning buffers. With the same seed, the values equal those of
             materializing the whole model and calling `init_fn` on each of ``model.modules()``
-            in order (bucket order follows parameter order, which follows that order), except
-            that a tied parameter is initialized once, by its first owner.
+            in order, except that a tied parameter is initialized once, by its first owner.
         load: for a ``meta`` model: ``load(names) -> {name: tensor}`` returns the values of the
             named parameters (one bucket at a time) and, last, of the buffers. Called on rank 0
             only (its values are broadcast), so a checkpoint is read once. Likewise `init_fn`
@@ -451,7 +452,8 @@ def init(
             shapes or dtypes differ across ranks): every rank raises, naming the ranks. Also
             when `init_fn` leaves a parameter or buffer of a meta model unwritten, or `load`
             returns no value for one: every rank raises, naming it.
-        TypeError: `optimizer` is not an `fzero.optim.Optimizer`.
+        TypeError: `optimizer` is not an `fzero.optim.Optimizer`, or a trainable parameter is
+            complex (the optimizers are real: store it as real, `torch.view_as_real`).
     """
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage=}")
@@ -467,6 +469,7 @@ def init(
                          separate_tied=stage == 3)
     if not source_layout.buckets:
         raise ValueError("init: the model has no parameters: there is nothing to train")
+    _check_real(source_layout)
     layout = source_layout.cast(param_dtype) if param_dtype is not None else source_layout
     if master_dtype is None:
         master_dtype = _default_master_dtype(source_layout, layout)
@@ -796,6 +799,22 @@ def _flat_of(bucket: Bucket, values: Mapping[str, Tensor], device: torch.device)
 def _keep(flat: Tensor, bucket: Bucket, rank: int, *, full: bool) -> Tensor:
     """`flat` itself when the stage keeps it whole, else this rank's shard (a view)."""
     return flat if full else shard_view(flat, bucket, rank)
+
+
+def _check_real(layout: ShardLayout) -> None:
+    """Raise if a trainable parameter is complex: the master copy, the moments and the
+    optimizers are real, and a complex parameter trained through them would silently lose its
+    imaginary part (a frozen one is only stored and gathered, which is exact)."""
+    complex_ = [e.name for b in layout.buckets if b.trainable and b.torch_dtype.is_complex
+                for e in b.entries]
+    if complex_:
+        raise TypeError(
+            f"init: trainable parameters {complex_[:5]} are complex: fzero's master copy, "
+            f"moments and optimizers are real, so training them would drop their imaginary "
+            f"part. Store such a parameter as a real one of shape (..., 2) "
+            f"(torch.view_as_real) and view it as complex in forward (torch.view_as_complex), "
+            f"or freeze it (trainable=)"
+        )
 
 
 def _default_master_dtype(*layouts: ShardLayout) -> torch.dtype:

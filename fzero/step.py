@@ -45,7 +45,9 @@ from torch import Tensor, nn
 
 from fzero.bound import (
     Binder,
+    GradientWatch,
     buffers_fingerprint,
+    carry_attributes,
     check_buffers,
     check_structure,
     claim,
@@ -262,11 +264,13 @@ def make_train_step(
         applied: float | None = None  # the learning rate of this step, on every parameter
         agreed: dict[str, str] = {}  # the settings, part by part
         release: Callable[[], None] | None = None
+        named: dict[str, Tensor] = {}  # the module's parameters, by name
         try:  # checks that may fail on one rank only: reported to all through the header
             check_live(state, "step")
             _check_grad_mode()
             release = claim(model, "step")
-            _check_model(model, state, requires_grad=state.config.requires_grad)
+            named = _check_model(model, state, requires_grad=state.config.requires_grad,
+                                 train=True)
             if not state.trainable:
                 raise ValueError("step: the state has no trainable parameter (every parameter "
                                  "is frozen): there is nothing to train; use make_eval_step")
@@ -286,14 +290,14 @@ def make_train_step(
         try:  # (tensors made under inference mode could not be trained with afterwards)
             with (torch.inference_mode(False), state.config.comm.scope(
                     f"train step {state.step + 1}")):
-                return _train(state, micro_batches, problem, applied, agreed)
+                return _train(state, micro_batches, problem, applied, agreed, named)
         finally:
             if release is not None:
                 release()
 
     def _train(
         state: ShardState, micro_batches: list[Any], problem: Exception | None,
-        applied: float | None, agreed: dict[str, str],
+        applied: float | None, agreed: dict[str, str], named: dict[str, Tensor],
     ) -> tuple[ShardState, dict[str, Any]]:
         nonlocal checked_writes
         comm = state.config.comm
@@ -311,7 +315,7 @@ def make_train_step(
         side = streams if streams is not None else Streams.for_device(state.config.device)
         run = _run(state, model, binder, loss_fn, micro_batches, buffers_now, prefetch, side,
                    sync_buffers=buffers == "broadcast", gate=header.check, leaves=leaves,
-                   check_writes=not checked_writes)
+                   check_writes=not checked_writes, named=named)
         checked_writes = checked_writes or state.stage == 3
         header.check()  # no-op when a reduction waited for it already
         grads = run.grads
@@ -395,27 +399,29 @@ def make_eval_step(
                             f"{type(state).__name__}")
         problem: Exception | None = None
         release: Callable[[], None] | None = None
+        named: dict[str, Tensor] = {}
         try:
             try:
                 check_live(state, "evaluate")
                 release = claim(model, "evaluate")
-                _check_model(model, state)
+                named = _check_model(model, state)
             except (TypeError, ValueError) as exc:
                 if state.stage < 3:  # local: no collective, so checks raise here
                     raise
                 problem = exc
-            return _evaluate(state, batch, problem)
+            return _evaluate(state, batch, problem, named)
         finally:
             if release is not None:
                 release()
 
-    def _evaluate(state: ShardState, batch: Any, problem: Exception | None) -> Any:
+    def _evaluate(state: ShardState, batch: Any, problem: Exception | None,
+                  named: dict[str, Tensor]) -> Any:
         buffers = {name: b.clone() for name, b in state.buffers.items()}
         if state.stage < 3:
             leaves = [entry_views(flat, bucket)
                       for flat, bucket in zip(state.params, state.layout.buckets, strict=True)]
             with torch.no_grad():
-                return binder.run(_bindings(state, leaves, buffers),
+                return binder.run(_bindings(state, leaves, buffers, named),
                                   lambda: fn(model.__call__, batch))
         # Under the caller's torch.inference_mode too: the gathered buffers and leaves are
         # kept for the next step, so they may not become inference tensors.
@@ -425,7 +431,7 @@ def make_eval_step(
                          what="eval step", own=problem)
             streams = Streams.for_device(state.config.device)
             with _sharded(state, model, prefetch, streams, train=False) as session:
-                return binder.run(_bindings(state, session.leaves, buffers),
+                return binder.run(_bindings(state, session.leaves, buffers, named),
                                   lambda: session.evaluate(fn, model, batch))
 
     return evaluate
@@ -562,9 +568,12 @@ def _run(
     gate: Callable[[], None],
     leaves: _LeafCache,
     check_writes: bool = False,
+    named: Mapping[str, Tensor],
 ) -> _Run:
     """Forward and backward of every micro-batch, with the stage's gradient reductions, each
-    launched after `gate()` (which raises when the step must not communicate)."""
+    launched after `gate()` (which raises when the step must not communicate). `named`: the
+    module's own parameters (their attributes are carried onto the bound tensors, and they
+    must receive no gradient)."""
     scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
     factor = scale / len(micro_batches)
     session_of = (_sharded(state, model, prefetch, streams, train=True,
@@ -573,8 +582,9 @@ def _run(
     losses: list[Tensor] = []
     failure: BaseException | None = None
     comm = state.config.comm
+    watch = GradientWatch(named)
     with session_of as session:
-        bindings = _bindings(state, session.leaves, buffers)
+        bindings = _bindings(state, session.leaves, buffers, named)
         for index, micro in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             if session.aborted:  # every rank knows: nobody computes the rest
@@ -607,6 +617,16 @@ def _run(
                 f"discards, so the write would be lost silently. Change parameters between "
                 f"steps (fzero.full_params / a new state), or use stage 0-2, where such a write "
                 f"lands in the state")
+        reached = watch.reached() if failure is None and not session.aborted else []
+        if reached:
+            failure = ValueError(
+                f"the module's own parameters {reached[:5]} received gradients in this step: "
+                f"forward reached these parameter objects other than through their module "
+                f"attributes (a list or dict attribute that holds them, self.__dict__, a "
+                f"closure kept from __init__), which a step does not rebind, so it computed "
+                f"with the module's values, not the state's (stale after the first update), "
+                f"and their gradients were lost. Read parameters through the module attribute "
+                f"that registers them (self.proj.weight) in forward")
         return _Run(
             losses=losses,
             grads=grads,
@@ -1232,9 +1252,12 @@ def _publish(state: ShardState, streams: SideStreams | None) -> None:
 
 
 def _bindings(
-    state: ShardState, leaves: Sequence[Sequence[Tensor]], buffers: Mapping[str, Tensor]
+    state: ShardState, leaves: Sequence[Sequence[Tensor]], buffers: Mapping[str, Tensor],
+    parameters: Mapping[str, Tensor],
 ) -> dict[str, Tensor]:
-    """Every parameter name, aliases included, to its leaf; and the buffers."""
+    """Every parameter name, aliases included, to its leaf, which takes the Python attributes
+    of the module's parameter of that name (`parameters`: `carry_attributes`); and the
+    buffers."""
     named: dict[str, Tensor] = {}
     for bucket, bucket_leaves in zip(state.layout.buckets, leaves, strict=True):
         for entry, leaf in zip(bucket.entries, bucket_leaves, strict=True):
@@ -1243,6 +1266,7 @@ def _bindings(
     named.update(buffers)
     for alias, name in state.config.buffer_aliases:  # one tensor in two submodules
         named[alias] = buffers[name]
+    carry_attributes(named, parameters)
     return named
 
 
@@ -1303,13 +1327,15 @@ def _check_loss(loss: Any, state: ShardState) -> None:
 
 def _check_model(
     model: nn.Module, state: ShardState, *,
-    requires_grad: Sequence[tuple[str, bool]] | None = None,
-) -> None:
+    requires_grad: Sequence[tuple[str, bool]] | None = None, train: bool = False,
+) -> dict[str, Tensor]:
     """Raise if `model` is not the one `state` was built for (parameters, ties, buffers; and
-    given `requires_grad`, the flags it was built with)."""
-    check_structure(model, state.layout, requires_grad=requires_grad)
+    given `requires_grad`, the flags it was built with; for a train step, no gradient hooks on
+    its parameters). Returns its parameters by name (`check_structure`)."""
+    named = check_structure(model, state.layout, requires_grad=requires_grad, train=train)
     check_buffers(model, state.buffers, state.config.buffer_aliases)
     _check_module_writes(model, state)
+    return named
 
 
 def _check_module_writes(model: nn.Module, state: ShardState) -> None:

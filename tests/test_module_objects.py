@@ -1,0 +1,197 @@
+"""What a module's parameter *objects* carry beyond their values: gradient hooks, Python
+attributes, references kept outside the module's registry, complex dtypes.
+
+A step binds the state's tensors under the module's registered names (`functional_call`), so
+anything attached to the parameter objects themselves, or reached around the registry, is not
+what forward computes with. Each case either behaves as plain torch does or raises, naming the
+parameter (a probe found all four silently wrong: hooks never fired, attributes read their
+defaults, a parameter held in a list trained stale, complex parameters lost their imaginary
+part). Models are built inside each rank's function: `SimWorld.run`'s deep copies are tested
+apart (`test_simworld_copies_*`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fzero
+
+STAGES = (0, 1, 2, 3)
+
+
+def _loss(call, x):
+    return call(x).pow(2).mean()
+
+
+def _batch(seed: int = 0) -> torch.Tensor:
+    return torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+class Scaled(nn.Module):
+    """Reads a Python attribute of its parameter in forward (getattr with a default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.a = nn.Linear(4, 4).double()
+        self.h = nn.Linear(4, 1).double()
+        for p in self.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
+        self.a.weight.scale = 2.0
+
+    def forward(self, x):
+        return self.h(torch.tanh(getattr(self.a.weight, "scale", 1.0) * self.a(x)))
+
+
+class Listed(nn.Module):
+    """Holds `b.weight` in a plain list too, and reads it from there in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4).double()
+        self.b = nn.Linear(4, 4).double()
+        self.h = nn.Linear(4, 1).double()
+        self.held = [self.b.weight]
+
+    def forward(self, x):
+        return self.h(torch.tanh(self.a(x)) + x @ self.held[0].T)
+
+
+def _torch_sgd(model: nn.Module, steps: int) -> dict[str, torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(steps):
+        opt.zero_grad()
+        _loss(model, _batch(i)).backward()
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _rows(comm, x):
+    per = x.shape[0] // comm.world_size
+    return x[comm.rank * per:(comm.rank + 1) * per]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("kind", ["register_hook", "post_accumulate"])
+def test_a_gradient_hook_on_a_parameter_object_raises_before_anything_moves(stage, kind):
+    def body(comm):
+        model = Scaled()
+        if kind == "register_hook":
+            model.a.weight.register_hook(lambda g: g * 3)
+        else:
+            model.a.weight.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(3))
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        before = fzero.full_params(state)
+        step = fzero.make_train_step(model, _loss)
+        with pytest.raises(ValueError, match=r"\['a.weight'\] carry gradient hooks"):
+            step(state, _rows(comm, _batch()))
+        after = fzero.full_params(state)  # the state was not consumed: nothing moved
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        # an eval step computes no gradient: the hook is irrelevant there
+        out = fzero.make_eval_step(model, lambda call, x: call(x))(state, _batch())
+        assert out.shape == (6, 1)
+
+    fzero.SimWorld(2).run(body)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_parameters_python_attributes_are_seen_in_forward(stage):
+    """`getattr(self.a.weight, "scale", 1.0)` read the default: the bound tensor is not the
+    parameter object. The attribute is carried onto it, in train and eval steps, and training
+    matches torch.optim."""
+    want = _torch_sgd(Scaled(), 3)
+    want_out = Scaled()(_batch(9))
+
+    def body(comm):
+        model = Scaled()
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        evaluate = fzero.make_eval_step(model, lambda call, x: call(x))
+        first = evaluate(state, _batch(9))
+        step = fzero.make_train_step(model, _loss)
+        for i in range(3):
+            state, _ = step(state, _rows(comm, _batch(i)))
+        return first, fzero.full_params(state)
+
+    for first, got in fzero.SimWorld(3).run(body):
+        torch.testing.assert_close(first, want_out, rtol=0, atol=1e-15)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_parameter_reached_around_the_modules_registry_raises(stage):
+    """Forward read `self.held[0]` (the module's own `b.weight`, which a step does not rebind):
+    training computed with stale values and lost that gradient (losses drifted from torch's
+    by the second step). The gradient autograd leaves on the module's own object gives it
+    away; every rank raises before the update."""
+
+    def body(comm):
+        model = Listed()
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        before = fzero.full_params(state)
+        step = fzero.make_train_step(model, _loss)
+        with pytest.raises((ValueError, fzero.StepError), match="b.weight"):
+            step(state, _rows(comm, _batch()))
+        after = fzero.full_params(state)
+        assert all(torch.equal(before[n], after[n]) for n in before)
+
+    fzero.SimWorld(2).run(body)
+
+
+def test_a_module_parameter_with_an_old_gradient_is_not_mistaken_for_one_reached():
+    """A `.grad` the module's parameters held before the step (a plain backward earlier) is
+    not a sign of anything: only a gradient set or written during the step is."""
+
+    def body(comm):
+        model = Scaled()
+        _loss(model, _batch(5)).backward()  # every parameter holds a .grad now
+        state = fzero.init(model, stage=1, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        state, metrics = fzero.make_train_step(model, _loss)(state, _rows(comm, _batch()))
+        return metrics["loss"]
+
+    assert all(loss > 0 for loss in fzero.SimWorld(2).run(body))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_trainable_complex_parameter_raises_and_a_frozen_one_is_stored_exactly(stage):
+    """A complex parameter trained through the real master copy lost its imaginary part
+    (torch.optim trains it as its real view). Frozen, it is only stored and gathered."""
+
+    class Rotor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            gen = torch.Generator().manual_seed(1)
+            self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.complex128, generator=gen))
+            self.h = nn.Linear(4, 1).double()
+
+        def forward(self, x):
+            return self.h((x.to(self.w.dtype) @ self.w).abs())
+
+    def body(comm):
+        with pytest.raises(TypeError, match=r"\['w'\] are complex"):
+            fzero.init(Rotor(), stage=stage, comm=comm, optimizer=fzero.optim.adamw())
+        model = Rotor()
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1),
+                           trainable=lambda name: name != "w")
+        state, _ = fzero.make_train_step(model, _loss)(state, _rows(comm, _batch()))
+        return fzero.full_params(state)["w"]
+
+    for w in fzero.SimWorld(2).run(body):
+        assert torch.equal(w, Rotor().w.detach())
+
+
+def test_simworld_copies_refuse_gradient_hooks_and_keep_attributes():
+    """`SimWorld.run` deep-copies its arguments per rank, and torch's deep copy of a parameter
+    keeps neither its hooks nor its Python attributes: the ranks trained without them. Hooks
+    raise, naming the parameter; attributes are copied."""
+    hooked = Scaled()
+    hooked.a.weight.register_hook(lambda g: g)
+    with pytest.raises(ValueError, match=r"'a.weight' of argument 0 would not carry the "
+                                         r"gradient hooks"):
+        fzero.SimWorld(2).run(lambda comm, model: None, hooked)
+    assert fzero.SimWorld(2).run(lambda comm, model: model.a.weight.scale, Scaled()) == [2.0, 2.0]
+    shared = fzero.SimWorld(2, copy_args=False).run(lambda comm, model: id(model), hooked)
+    assert shared == [id(hooked)] * 2
+
