@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import threading
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -151,8 +152,17 @@ def claim(model: nn.Module, what: str) -> Callable[[], None]:
     Raises:
         ValueError: another step runs on `model` now.
     """
-    key, token = f"{_RUNNING}_{id(model):x}", object()
-    if model.__dict__.setdefault(key, token) is not token:  # atomic: one dict operation
+    key, token = f"{_RUNNING}_{id(model):x}", (threading.get_ident(), object())
+    holder = model.__dict__.setdefault(key, token)  # atomic: one dict operation
+    if holder is not token:
+        if holder[0] == token[0]:  # this thread: a step called inside another step's loss_fn
+            raise ValueError(
+                f"{what}: a step on this nn.Module object is already running in this thread "
+                f"(called from inside its loss_fn or forward, e.g. an EMA teacher's eval "
+                f"step on the student's own module): each step binds its state's tensors "
+                f"into the module, so the inner one would replace the outer one's. Give the "
+                f"inner step its own module: make_eval_step(copy.deepcopy(model), ...)"
+            )
         raise ValueError(
             f"{what}: another step is running on this nn.Module object right now (SimWorld "
             f"ranks or threads that share one model): each step binds its state's tensors "

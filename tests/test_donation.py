@@ -4,6 +4,7 @@ it; `fzero.clone_state` keeps a copy on purpose, views of one storage staying vi
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -115,9 +116,19 @@ def test_a_step_on_a_module_another_step_runs_on_raises(stage: int) -> None:
         step = fzero.make_train_step(model, gb.mse_loss)
         evaluate = fzero.make_eval_step(model, lambda call, batch: call(batch[0]))
         batch = gb.mse_batches(1, rows=2)[0]
-        release = claim(model, "another step")
+        claims: list = []  # held by another thread, as another rank's step would
+        other = threading.Thread(target=lambda: claims.append(claim(model, "another step")))
+        other.start()
+        other.join()
         for run in (lambda: step(state, batch), lambda: evaluate(state, batch)):
             with pytest.raises(ValueError, match="another step is running on this nn.Module"):
+                run()
+        claims[0]()
+        # a step called inside another's loss_fn, on the same module, in the same thread
+        release = claim(model, "the outer step")
+        for run in (lambda: step(state, batch), lambda: evaluate(state, batch)):
+            with pytest.raises(ValueError, match="already running in this thread .* its own "
+                                                 "module: make_eval_step\\(copy.deepcopy"):
                 run()
         release()
         with pytest.raises(ValueError, match="no rows"):
