@@ -149,6 +149,16 @@ class FullBuffers:
         self.bucket_of = {id(leaf): index for index, leaves in enumerate(self.leaves)
                           for leaf in leaves}
         self.nbytes = [f.numel() * f.element_size() for f in self.full]  # each, gathered
+        self._storages = [flat.untyped_storage()._cdata for flat in self.full]
+
+    def replaced(self) -> list[str]:
+        """The parameters whose leaf no longer views its bucket's buffer: forward replaced its
+        data (``p.data = ...``, or ``module.to(dtype)`` inside forward, which does that)."""
+        return [entry.name
+                for bucket, leaves, flat, storage in zip(
+                    self.layout.buckets, self.leaves, self.full, self._storages, strict=True)
+                for entry, leaf in zip(bucket.entries, leaves, strict=True)
+                if leaf.dtype != flat.dtype or leaf.untyped_storage()._cdata != storage]
 
     def fits(self, layout: ShardLayout, shards: Sequence[Tensor]) -> bool:
         """Whether these serve `layout` and `shards`, and every bucket was released (a step

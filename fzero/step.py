@@ -617,6 +617,18 @@ def _run(
                 f"discards, so the write would be lost silently. Change parameters between "
                 f"steps (fzero.full_params / a new state), or use stage 0-2, where such a write "
                 f"lands in the state")
+        replaced = leaves.replaced()
+        if replaced and failure is None and not session.aborted:
+            failure = ValueError(
+                f"forward replaced the data of parameters {replaced[:5]} (`p.data = ...`, or "
+                f"`module.to(dtype)` / `.float()` inside forward, which does that): the tensor "
+                f"a step binds for a parameter is a view of the state's memory, and one given "
+                f"new data no longer is, so the new values (or dtype) would be lost and later "
+                f"steps would read stale ones. Write in place instead (`p.data.copy_(...)` "
+                f"lands in the state at stages 0-2), or give the parameter, before fzero.init, "
+                f"the dtype forward converts it to (e.g. a Hugging Face SwitchTransformers "
+                f"router kept in its router_dtype: build the model in those dtypes and leave "
+                f"param_dtype unset), so that the conversion is a no-op")
         reached = watch.reached() if failure is None and not session.aborted else []
         if reached:
             failure = ValueError(
@@ -627,7 +639,7 @@ def _run(
                 f"with the module's values, not the state's (stale after the first update), "
                 f"and their gradients were lost. Read parameters through the module attribute "
                 f"that registers them (self.proj.weight) in forward")
-        return _Run(
+        run = _Run(
             losses=losses,
             grads=grads,
             used=[flag for flags, bucket in zip(session.completion.used, state.layout.buckets,
@@ -640,6 +652,9 @@ def _run(
             gathered_peak=session.gathered_peak,
             grad_peak=session.reducer.peak_bytes if session.reducer is not None else 0,
         )
+    if replaced:  # those leaves are unusable: the next step builds new ones
+        leaves.drop()
+    return run
 
 
 class _Leaves:
@@ -667,6 +682,18 @@ class _Leaves:
                     self.homes[index] = list(entry_views(grads, bucket))
         self.completion = Completion(layout, self.leaves, lambda index: None)
         self.completion.stop()  # until a step `restart`s it
+        self._views = [[(leaf.data_ptr(), leaf.dtype) for leaf in bucket_leaves]
+                       for bucket_leaves in self.leaves]
+
+    def replaced(self) -> list[str]:
+        """The parameters whose leaf no longer views its flat buffer: forward replaced its data
+        (``p.data = ...``, or ``module.to(dtype)`` inside forward, which does that)."""
+        return [entry.name
+                for bucket, bucket_leaves, views in zip(self.layout.buckets, self.leaves,
+                                                        self._views, strict=True)
+                for entry, leaf, (pointer, dtype) in zip(bucket.entries, bucket_leaves, views,
+                                                         strict=True)
+                if leaf.dtype != dtype or leaf.data_ptr() != pointer]
 
     def fits(self, state: ShardState) -> bool:
         """Whether these are the leaves of `state`'s tensors (the very objects)."""
@@ -711,6 +738,10 @@ class _ShardedLeaves:
         """Whether these serve `state` (its layout, every bucket released)."""
         return state.stage == 3 and self.buffers.fits(state.layout, state.params)
 
+    def replaced(self) -> list[str]:
+        """The parameters whose leaf no longer views its full buffer (`FullBuffers.replaced`)."""
+        return self.buffers.replaced()
+
     def close(self) -> None:
         """Remove the hooks (the leaves are not used again)."""
         self.completion.close()
@@ -736,6 +767,10 @@ class _LeafCache:
         cache, built = weakref.ref(self), weakref.ref(leaves)
         self._watch = weakref.ref(state.params[0], lambda _: _drop_if(cache, built))
         return leaves
+
+    def replaced(self) -> list[str]:
+        """The parameters whose cached leaf forward gave new data (see `_Leaves.replaced`)."""
+        return self._leaves.replaced() if self._leaves is not None else []
 
     def drop(self) -> None:
         """Forget the cached leaves (removing their hooks)."""

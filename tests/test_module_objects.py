@@ -195,3 +195,60 @@ def test_simworld_copies_refuse_gradient_hooks_and_keep_attributes():
     shared = fzero.SimWorld(2, copy_args=False).run(lambda comm, model: id(model), hooked)
     assert shared == [id(hooked)] * 2
 
+
+
+class Renormed(nn.Module):
+    """Replaces its weight's data in forward (a max-norm constraint written `w.data = ...`), or
+    converts a submodule (`self.lin.to(dtype)`, as Hugging Face's SwitchTransformers router
+    does on every call), when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1).double()
+        gen = torch.Generator().manual_seed(2)
+        for p in self.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+        self.mode = "none"
+
+    def forward(self, x):
+        with torch.no_grad():
+            if self.mode == "data":
+                self.lin.weight.data = self.lin.weight.data.renorm(2, 0, 0.5)
+            elif self.mode == "to":
+                self.lin.to(torch.float32)
+            elif self.mode == "to-own-dtype":  # a no-op conversion
+                self.lin.to(torch.float64)
+        return self.lin(x.to(self.lin.weight.dtype)).double()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("mode", ["data", "to"])
+def test_forward_that_gives_a_parameter_new_data_raises_and_the_next_step_is_exact(
+        stage, mode):
+    """`w.data = w.data.renorm(...)` or `module.to(dtype)` in forward detached the cached tensor
+    a step binds from the state's memory: the new values were lost, and every later step read
+    the first step's values (a probe; Hugging Face's SwitchTransformers router in bfloat16
+    never trained at stages 0-1). Every rank raises before the update, and a step after it
+    (the forward fixed) trains exactly, on tensors bound afresh."""
+    reference = Renormed()
+    want = _torch_sgd(reference, 2)
+
+    def body(comm):
+        model = Renormed()
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        before = fzero.full_params(state)
+        step = fzero.make_train_step(model, _loss)
+        model.mode = mode
+        with pytest.raises((ValueError, fzero.StepError), match=r"replaced the data of "
+                                                                r"parameters \['lin.weight'"):
+            step(state, _rows(comm, _batch()))
+        after = fzero.full_params(state)
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        model.mode = "to-own-dtype"
+        for i in range(2):
+            state, _ = step(state, _rows(comm, _batch(i)))
+        return fzero.full_params(state)
+
+    for got in fzero.SimWorld(2).run(body):
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
