@@ -1,0 +1,322 @@
+"""Checkpoint behaviours that no test pinned down: a mutation pass over fzero/checkpoint changed
+one line at a time, and each test here pins a behaviour a mutant broke without any test
+failing. Saving (overwrite=, <path>.partial, <path>.old, symlinks), verifying shard files
+without their checksums, and the offline tools (consolidate, export, reshard, write_model).
+Tiny models, SimWorld with one or two ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+import pytest
+import torch
+
+import fzero
+from fzero.checkpoint import CheckpointError, loading, offline, read_manifest
+
+LINEAR_BYTES = 4 * (4 * 3 + 3 + 3 * 2 + 2)  # fp32 Linear(4, 3) + Linear(3, 2): 92 bytes
+
+
+def small_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+class WithBuffers(torch.nn.Module):
+    """Floating parameters and buffers besides an integer buffer (BatchNorm's
+    num_batches_tracked) and, with `ids`, an integer parameter."""
+
+    def __init__(self, ids: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+        if ids:
+            self.ids = torch.nn.Parameter(torch.arange(5), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x))
+
+
+def _save_body(comm: Any, model: torch.nn.Module, path: str, kwargs: dict[str, Any]) -> None:
+    state = fzero.init(model, stage=1, optimizer=fzero.optim.adamw(lr=1e-3), comm=comm)
+    fzero.save(state, path, **kwargs)
+
+
+def _outcome_body(comm: Any, model: torch.nn.Module, path: str,
+                  kwargs: dict[str, Any]) -> tuple[str, str] | None:
+    """Save; ``None``, or ``(type, message)`` of what the save raised."""
+    try:
+        _save_body(comm, model, path, kwargs)
+    except Exception as error:  # noqa: BLE001
+        return type(error).__name__, str(error)
+    return None
+
+
+def save(path: Any, *, world: int = 2, seed: int = 0, model: Any = None, **kwargs: Any) -> None:
+    fzero.SimWorld(world).run(_save_body, model or small_model(seed), str(path), kwargs)
+
+
+def save_outcomes(path: Any, *, world: int = 2, seed: int = 0,
+                  **kwargs: Any) -> list[tuple[str, str] | None]:
+    return fzero.SimWorld(world).run(_outcome_body, small_model(seed), str(path), kwargs)
+
+
+def _overwrite_on_rank0_body(comm: Any, path: str) -> tuple[str, str] | None:
+    return _outcome_body(comm, small_model(1), path,
+                         {"overwrite": comm.rank == 0, "extra": {"run": "second"}})
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving
+
+
+def test_ranks_that_disagree_on_overwrite_raise_and_keep_the_checkpoint(tmp_path) -> None:
+    """overwrite= was left out of the save call's cross-rank fingerprint: with rank 0
+    passing overwrite=True and rank 1 False, the ranks went on with different plans (one
+    replacing the checkpoint, one refusing). Every rank must raise naming overwrite before
+    anything is written, and the old checkpoint must stay."""
+    path = str(tmp_path / "c")
+    save(path, extra={"run": "first"})
+    before = {n: os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)}
+    outcomes = fzero.SimWorld(2).run(_overwrite_on_rank0_body, path)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome is not None and outcome[0] == "CheckpointError", outcome
+        assert f"they differ in: overwrite (this rank: {rank == 0})" in outcome[1], outcome
+        assert "nothing was written" in outcome[1]
+    assert read_manifest(path).extra == {"run": "first"}
+    assert {n: os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path)} == before
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def test_a_leftover_old_folder_of_a_save_does_not_break_overwrite(tmp_path) -> None:
+    """An overwrite interrupted just after moving the old checkpoint aside leaves
+    ``<path>.old`` holding a save's files. The next save(overwrite=True) must clear it and
+    succeed; without that, renaming the checkpoint onto the non-empty ``c.old`` failed and
+    every later overwrite raised."""
+    path = tmp_path / "c"
+    save(path, seed=0, extra={"run": "first"})
+    old = tmp_path / "c.old"
+    old.mkdir()
+    (old / "shard-00001-of-00002.safetensors").write_bytes(b"leftover")
+    assert save_outcomes(path, seed=1, overwrite=True, extra={"run": "second"}) == [None, None]
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    assert read_manifest(str(path)).extra == {"run": "second"}
+
+
+def test_a_users_file_named_like_a_shard_in_partial_is_kept(tmp_path) -> None:
+    """``<path>.partial`` is cleared only when it holds nothing but a save's files, by
+    exact name: a user's ``shard-00000-of-00002.safetensors.bak`` matched the shard-file
+    pattern as a prefix and was deleted. It must be kept, and the save must raise naming
+    ``c.partial``."""
+    path = tmp_path / "c"
+    partial = tmp_path / "c.partial"
+    partial.mkdir()
+    mine = partial / "shard-00000-of-00002.safetensors.bak"
+    mine.write_text("user's backup")
+    outcomes = save_outcomes(path)
+    assert all(o is not None and o[0] == "CheckpointError" for o in outcomes), outcomes
+    assert "c.partial holds other files than a save writes" in outcomes[0][1], outcomes
+    assert mine.read_text() == "user's backup"
+    assert sorted(os.listdir(partial)) == [mine.name]
+    assert not path.exists()
+
+
+def test_overwrite_refuses_a_symlink_to_a_checkpoint(tmp_path) -> None:
+    """save(overwrite=True) to a symlink pointing at a checkpoint counted the link as a
+    checkpoint and replaced the link (moving it aside, renaming a new directory onto its
+    name). It must refuse, as for any path that is not a checkpoint directory, leaving the
+    link and its target as they were."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    save(real, seed=0, extra={"run": "first"})
+    link.symlink_to(real)
+    outcomes = save_outcomes(link, seed=1, overwrite=True)
+    for outcome in outcomes:
+        assert outcome is not None and outcome[0] == "CheckpointError", outcome
+        assert "link exists and is not a checkpoint" in outcome[1], outcome
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert read_manifest(str(real)).extra == {"run": "first"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Shard files checked without their checksums
+
+
+def test_a_shard_file_longer_than_written_is_refused_without_the_checksums(tmp_path) -> None:
+    """Only a file shorter than the manifest records was refused: one with bytes
+    appended (copied over another, or partly replaced) passed the size check and, with
+    verify_checksums=False, was read as if whole."""
+    path = tmp_path / "c"
+    save(path)
+    shard = path / "shard-00001-of-00002.safetensors"
+    size = os.path.getsize(shard)
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 16)
+    with pytest.raises(CheckpointError, match=rf"shard-00001-of-00002.safetensors is {size + 16} "
+                                              rf"bytes but the manifest records {size}: the file "
+                                              r"is longer than written"):
+        fzero.consolidate(path, verify_checksums=False)
+
+
+def _relabel(file: Any, key: str, field: str, value: Any) -> None:
+    """Rewrite one field of a safetensors header in place, keeping the header's length."""
+    with open(file, "rb") as f:
+        data = f.read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header[key][field] = value
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if len(text) > n:  # make room: drop the metadata (files of older fzero had none)
+        header.pop("__metadata__")
+        text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n, "no room in the header's padding"
+    with open(file, "wb") as f:
+        f.write(data[:8] + text + b" " * (n - len(text)) + data[8 + n:])
+
+
+@pytest.mark.parametrize(("key", "field", "value"), [
+    pytest.param("params.0", "dtype", "I32", id="V08-dtype"),
+    pytest.param("buffers.bn.running_mean", "shape", [2, 2], id="V07-shape"),
+])
+def test_a_relabelled_shard_header_is_refused_without_the_checksums(tmp_path, key, field,
+                                                                    value) -> None:
+    """With verify_checksums=False, comparing each file's header with what the
+    manifest implies is the only guard. Without the dtype comparison, float parameters
+    relabelled int32 (same size) were read as int32 bits and cast: garbage weights; without
+    the shape comparison, a (4,) running_mean relabelled (2, 2) came back as a (2, 2)
+    buffer."""
+    path = tmp_path / "c"
+    save(path, world=1, model=WithBuffers())
+    assert fzero.consolidate(path, verify_checksums=False)["bn.running_mean"].shape == (4,)
+    _relabel(path / "shard-00000-of-00001.safetensors", key, field, value)
+    with pytest.raises(CheckpointError, match="does not hold what the manifest says"):
+        fzero.consolidate(path, verify_checksums=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# consolidate, export, reshard, write_model
+
+
+def test_consolidate_and_export_for_a_model_of_other_shapes_name_the_shapes(tmp_path) -> None:
+    """With model=, the checkpoint's tensors are matched to the model's state_dict by
+    name: a model with the same names but other shapes got the checkpoint's tensors under its
+    names (a state_dict its load_state_dict rejects, or an export for another model). Both
+    must raise naming the differing shapes, and export must write nothing."""
+    path = tmp_path / "c"
+    save(path)  # Linear(4, 3), Linear(3, 2)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+    shapes = r"shapes differing \(checkpoint vs model\): \[.*'0.weight: \[3, 4\] vs \[5, 4\]'"
+    with pytest.raises(CheckpointError, match=shapes):
+        fzero.consolidate(path, model=other)
+    with pytest.raises(CheckpointError, match=shapes):
+        fzero.checkpoint.export(path, tmp_path / "hf", model=other)
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def test_export_to_bfloat16_keeps_integer_parameters_and_buffers_integer(tmp_path) -> None:
+    """export(dtype=) casts floating tensors only: casting BatchNorm's
+    num_batches_tracked or an integer parameter (token ids) to bfloat16 wrote a model that
+    load_state_dict takes with the wrong dtype (and values above 256 rounded)."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    path = tmp_path / "c"
+    save(path, model=WithBuffers(ids=True))
+    fzero.checkpoint.export(path, tmp_path / "hf", dtype=torch.bfloat16)
+    written = safetensors.load_file(tmp_path / "hf" / "model.safetensors")
+    dtypes = {name: t.dtype for name, t in written.items()}
+    assert dtypes["bn.num_batches_tracked"] == torch.int64, dtypes
+    assert dtypes["ids"] == torch.int64, dtypes
+    assert torch.equal(written["ids"], torch.arange(5))
+    for name in ("lin.weight", "lin.bias", "bn.weight", "bn.running_mean", "bn.running_var"):
+        assert dtypes[name] == torch.bfloat16, (name, dtypes)
+
+
+def test_export_removes_tmp_files_of_an_interrupted_export(tmp_path) -> None:
+    """An export interrupted mid-file leaves ``model*.safetensors.tmp`` files; the next
+    export into the same directory must remove them with the earlier export's weights (they
+    were left there for good), and keep the user's other files."""
+    path, out = tmp_path / "c", tmp_path / "hf"
+    save(path)
+    out.mkdir()
+    for name in ("model.safetensors.tmp", "model-00001-of-00002.safetensors.tmp"):
+        (out / name).write_bytes(b"half an earlier export")
+    (out / "notes.txt").write_text("keep me")
+    fzero.checkpoint.export(path, out)
+    assert sorted(os.listdir(out)) == ["model.safetensors", "notes.txt"]
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_export_max_shard_size_is_inclusive(tmp_path) -> None:
+    """Weights totalling exactly max_shard_size bytes fit in one model.safetensors (a
+    file splits only when it would grow past the limit, as in transformers' own sharding);
+    splitting at ``>=`` wrote two files for a model that fits the limit."""
+    path = tmp_path / "c"
+    save(path)
+    files = fzero.checkpoint.export(path, tmp_path / "hf", max_shard_size=LINEAR_BYTES)
+    assert [os.path.basename(f) for f in files] == ["model.safetensors"]
+    files = fzero.checkpoint.export(path, tmp_path / "hf", max_shard_size=LINEAR_BYTES - 1)
+    assert len(files) > 2 and "model.safetensors.index.json" in map(os.path.basename, files)
+
+
+def test_a_sharded_exports_index_gives_the_total_size_of_all_tensors(tmp_path) -> None:
+    """The index's metadata.total_size must be the bytes of every tensor written (over
+    all files), not of the first file's only (what a loader's memory planning reads)."""
+    safe_open = pytest.importorskip("safetensors").safe_open
+    path, out = tmp_path / "c", tmp_path / "hf"
+    save(path)
+    fzero.checkpoint.export(path, out, max_shard_size=60)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 1, index
+    actual = 0
+    for name in files:
+        with safe_open(str(out / name), "pt") as f:
+            actual += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size()
+                          for k in f.keys())
+    assert actual == LINEAR_BYTES
+    assert index["metadata"]["total_size"] == LINEAR_BYTES
+
+
+def test_reshard_into_an_existing_destination_raises_and_writes_nothing(tmp_path) -> None:
+    """reshard writes a new checkpoint: into an existing one it wrote all of
+    ``dst.partial`` and then failed renaming it (leaving the partial folder behind), and into
+    an empty folder it silently wrote there. Both must raise up front, naming dst, write no
+    ``dst.partial``, and leave dst as it was."""
+    src, dst, empty = tmp_path / "c", tmp_path / "r", tmp_path / "empty"
+    save(src)
+    fzero.checkpoint.reshard(src, dst, world_size=1)
+    before = {n: os.path.getmtime(dst / n) for n in os.listdir(dst)}
+    empty.mkdir()
+    for target in (dst, empty):
+        with pytest.raises(CheckpointError, match=f"{target} exists: reshard writes a new"):
+            fzero.checkpoint.reshard(src, target, world_size=3)
+    assert sorted(os.listdir(tmp_path)) == ["c", "empty", "r"]
+    assert {n: os.path.getmtime(dst / n) for n in os.listdir(dst)} == before
+    assert read_manifest(str(dst)).world_size == 1
+    assert os.listdir(empty) == []
+
+
+def test_an_interrupted_write_model_leaves_the_previous_file(tmp_path, monkeypatch) -> None:
+    """write_model(overwrite=True) writes aside and renames onto the target: writing
+    in place, a read error on the second tensor left the previous model.safetensors
+    destroyed (half-written or removed)."""
+    path, target = tmp_path / "c", tmp_path / "model.safetensors"
+    save(path)
+    offline.write_model(path, target)
+    before = target.read_bytes()
+    real_fill, calls = loading.Reader.fill, []
+
+    def failing_fill(self: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(args)
+        if len(calls) == 2:
+            raise OSError("simulated I/O error")
+        return real_fill(self, *args, **kwargs)
+
+    monkeypatch.setattr(loading.Reader, "fill", failing_fill)
+    with pytest.raises(OSError, match="simulated I/O error"):
+        offline.write_model(path, target, overwrite=True)
+    assert target.read_bytes() == before
+    assert len(calls) == 2
