@@ -748,10 +748,16 @@ class _ShardedLeaves:
 
 
 class _LeafCache:
-    """The `_Leaves` (stage 3: `_ShardedLeaves`) of the last state a train step ran on. It
-    refers to that state's tensors only weakly: once they are gone (the state and its
-    successors dropped, e.g. for a loaded checkpoint) the leaves go too, and with them the last
-    hold on the tensors' memory."""
+    """The `_Leaves` (stage 3: `_ShardedLeaves`) of the last state a train step ran on.
+
+    Stages 0-2: the leaves alias that state's tensors and serve no other state; the cache
+    refers to the tensors only weakly: once they are gone (the state and its successors
+    dropped, e.g. for a loaded checkpoint) the leaves go too, and with them the last hold on
+    the tensors' memory. Stage 3: the leaves view full buffers of their own and serve every
+    state of the layout (a clone, a rollback), so nothing is watched: a watch on one state's
+    tensor fired when that state was collected, possibly by the cyclic garbage collector in
+    the middle of a step on another state, and dropped the leaves that step was using (their
+    gradient hooks with them: a probe's rollback trained wrong by a whole update)."""
 
     def __init__(self) -> None:
         self._leaves: _Leaves | _ShardedLeaves | None = None
@@ -762,7 +768,10 @@ class _LeafCache:
         if self._leaves is not None and self._leaves.fits(state):
             return self._leaves
         self.drop()
-        leaves = self._leaves = (_ShardedLeaves if state.stage == 3 else _Leaves)(state)
+        if state.stage == 3:
+            self._leaves = _ShardedLeaves(state)
+            return self._leaves
+        leaves = self._leaves = _Leaves(state)
         # The leaves hold the tensors' storage: let go of them when the first tensor dies.
         cache, built = weakref.ref(self), weakref.ref(leaves)
         self._watch = weakref.ref(state.params[0], lambda _: _drop_if(cache, built))
