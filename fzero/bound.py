@@ -220,8 +220,8 @@ def check_structure(
     located = layout.locate()
     named = dict(model.named_parameters(remove_duplicate=False))
     if train:
-        hooked = sorted(name for name, t in named.items()
-                        if t._backward_hooks or t._post_accumulate_grad_hooks)
+        hooked = sorted(name for name, t in named.items() if t.requires_grad and (
+            t._backward_hooks or t._post_accumulate_grad_hooks))  # (a frozen one's never fire)
         if hooked:
             raise ValueError(
                 f"parameters {hooked[:5]} carry gradient hooks (Tensor.register_hook or "

@@ -96,6 +96,21 @@ def test_a_gradient_hook_on_a_parameter_object_raises_before_anything_moves(stag
     fzero.SimWorld(2).run(body)
 
 
+def test_a_gradient_hook_on_a_frozen_parameter_is_no_reason_to_raise():
+    """A frozen parameter receives no gradient, in torch as in fzero: its hook never fires
+    either way."""
+
+    def body(comm):
+        model = Scaled()
+        model.a.weight.register_hook(lambda g: g * 3)
+        model.a.weight.requires_grad_(False)  # frozen after the hook was registered
+        state = fzero.init(model, stage=3, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        state, metrics = fzero.make_train_step(model, _loss)(state, _rows(comm, _batch()))
+        return metrics["loss"]
+
+    assert all(loss > 0 for loss in fzero.SimWorld(2).run(body))
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_parameters_python_attributes_are_seen_in_forward(stage):
     """`getattr(self.a.weight, "scale", 1.0)` read the default: the bound tensor is not the
