@@ -73,6 +73,20 @@ def _rows(comm, x):
     return x[comm.rank * per:(comm.rank + 1) * per]
 
 
+def _losses_of_one_step(prepare, stage: int) -> list[float]:
+    """Each of 2 ranks' loss of one step on a `Scaled` model that `prepare(model)` changed
+    before `fzero.init`."""
+
+    def body(comm):
+        model = Scaled()
+        prepare(model)
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        state, metrics = fzero.make_train_step(model, _loss)(state, _rows(comm, _batch()))
+        return metrics["loss"]
+
+    return fzero.SimWorld(2).run(body)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("kind", ["register_hook", "post_accumulate"])
 def test_a_gradient_hook_on_a_parameter_object_raises_before_anything_moves(stage, kind):
@@ -100,15 +114,11 @@ def test_a_gradient_hook_on_a_frozen_parameter_is_no_reason_to_raise():
     """A frozen parameter receives no gradient, in torch as in fzero: its hook never fires
     either way."""
 
-    def body(comm):
-        model = Scaled()
+    def frozen_after_a_hook(model):
         model.a.weight.register_hook(lambda g: g * 3)
-        model.a.weight.requires_grad_(False)  # frozen after the hook was registered
-        state = fzero.init(model, stage=3, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
-        state, metrics = fzero.make_train_step(model, _loss)(state, _rows(comm, _batch()))
-        return metrics["loss"]
+        model.a.weight.requires_grad_(False)
 
-    assert all(loss > 0 for loss in fzero.SimWorld(2).run(body))
+    assert all(loss > 0 for loss in _losses_of_one_step(frozen_after_a_hook, stage=3))
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -159,14 +169,10 @@ def test_a_module_parameter_with_an_old_gradient_is_not_mistaken_for_one_reached
     """A `.grad` the module's parameters held before the step (a plain backward earlier) is
     not a sign of anything: only a gradient set or written during the step is."""
 
-    def body(comm):
-        model = Scaled()
+    def with_gradients(model):
         _loss(model, _batch(5)).backward()  # every parameter holds a .grad now
-        state = fzero.init(model, stage=1, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
-        state, metrics = fzero.make_train_step(model, _loss)(state, _rows(comm, _batch()))
-        return metrics["loss"]
 
-    assert all(loss > 0 for loss in fzero.SimWorld(2).run(body))
+    assert all(loss > 0 for loss in _losses_of_one_step(with_gradients, stage=1))
 
 
 @pytest.mark.parametrize("stage", STAGES)
