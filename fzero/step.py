@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -762,20 +763,32 @@ class _LeafCache:
     def __init__(self) -> None:
         self._leaves: _Leaves | _ShardedLeaves | None = None
         self._watch: weakref.ref[Tensor] | None = None
+        # A watch's callback runs in whichever thread the garbage collector frees the tensor
+        # in: its check and its drop must not interleave with `of` replacing the leaves (it
+        # dropped the new ones, which a step was using: that step updated nothing). Reentrant:
+        # the collector may run the callback inside `of` itself.
+        self._lock = threading.RLock()
 
     def of(self, state: ShardState) -> Any:
         """The leaves of `state`'s tensors: the cached ones, or new ones replacing them."""
-        if self._leaves is not None and self._leaves.fits(state):
-            return self._leaves
-        self.drop()
-        if state.stage == 3:
-            self._leaves = _ShardedLeaves(state)
-            return self._leaves
-        leaves = self._leaves = _Leaves(state)
-        # The leaves hold the tensors' storage: let go of them when the first tensor dies.
-        cache, built = weakref.ref(self), weakref.ref(leaves)
-        self._watch = weakref.ref(state.params[0], lambda _: _drop_if(cache, built))
-        return leaves
+        with self._lock:
+            if self._leaves is not None and self._leaves.fits(state):
+                return self._leaves
+            self.drop()
+            if state.stage == 3:
+                self._leaves = _ShardedLeaves(state)
+                return self._leaves
+            leaves = self._leaves = _Leaves(state)
+            # The leaves hold the tensors' storage: let go of them when the first tensor dies.
+            cache, built = weakref.ref(self), weakref.ref(leaves)
+            self._watch = weakref.ref(state.params[0], lambda _: _drop_if(cache, built))
+            return leaves
+
+    def release(self, leaves: Any) -> None:
+        """Drop `leaves` if they are still the cached ones (a watch's callback), atomically."""
+        with self._lock:
+            if leaves is not None and self._leaves is leaves:
+                self.drop()
 
     def replaced(self) -> list[str]:
         """The parameters whose cached leaf forward gave new data (see `_Leaves.replaced`)."""
@@ -783,17 +796,18 @@ class _LeafCache:
 
     def drop(self) -> None:
         """Forget the cached leaves (removing their hooks)."""
-        if self._leaves is not None:
-            self._leaves.close()
-        self._leaves = self._watch = None
+        with self._lock:
+            if self._leaves is not None:
+                self._leaves.close()
+            self._leaves = self._watch = None
 
 
 def _drop_if(cache: weakref.ref[_LeafCache], leaves: weakref.ref[Any]) -> None:
     """`cache` drops its leaves if they are still `leaves` (a weakref callback: both may be
     gone already)."""
     held = cache()
-    if held is not None and held._leaves is not None and held._leaves is leaves():
-        held.drop()
+    if held is not None:
+        held.release(leaves())
 
 
 class _ReplicatedSession:

@@ -205,3 +205,74 @@ def test_a_rollback_is_exact_when_the_dropped_state_is_collected_during_the_next
     for result in again:
         for name, value in first.items():
             assert torch.equal(result[name], value), name
+
+
+def test_a_watch_callback_in_another_thread_never_drops_the_leaves_a_step_uses():
+    """Stages 0-2 watch a state's first tensor to let go of its cached leaves when it dies. The
+    cyclic garbage collector runs that callback in whichever thread it collects in: between
+    the callback's check and its drop, the stepping thread replaced the leaves, and the drop
+    took the new ones, with their gradient hooks: the step updated nothing and called every
+    parameter unused (a probe, forcing the interleaving as here: a trace function pauses the
+    collecting thread inside the callback after its check)."""
+    import inspect
+    import sys
+    import time
+
+    import fzero.step as fs
+
+    source, first = inspect.getsourcelines(fs._LeafCache.release)
+    pause_at = first + next(i for i, line in enumerate(source) if "self.drop()" in line)
+
+    def body(comm, model, race):
+        checked, stepping = threading.Event(), threading.Event()
+
+        def tracer(frame, event, arg):
+            if frame.f_code is not fs._LeafCache.release.__code__:
+                return None
+
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == pause_at:
+                    checked.set()  # the check passed: the old leaves were the cached ones
+                    stepping.wait(1.0)  # preempted here while the rank starts its step
+                    time.sleep(0.05)
+                return local
+            return local
+
+        def collect():
+            sys.settrace(tracer)
+            gc.collect()
+            sys.settrace(None)
+
+        def loss_fn(call, batch):
+            if race:
+                stepping.set()
+                time.sleep(0.3)  # the step goes on while the collecting thread resumes
+            return ((call(batch[0]) - batch[1]) ** 2).mean()
+
+        state = fzero.init(model, stage=0, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        step = fzero.make_train_step(model, loss_fn)
+        batch = gb.mse_batches(1, rows=4)[0]
+        state, _ = step(state, batch)  # leaves cached for the state's tensors
+        kept = fzero.clone_state(state)  # go on from a clone (a rollback)
+        collector = None
+        if race:
+            cycle = [state]
+            cycle.append(cycle)  # the old state only in a reference cycle
+            del state, cycle
+            collector = threading.Thread(target=collect)
+            collector.start()
+            assert checked.wait(5.0), "the watch's callback never ran"
+        after, metrics = step(kept, batch)
+        if collector is not None:
+            collector.join()
+        return fzero.full_params(after), metrics["unused"]
+
+    gc.disable()
+    try:
+        calm, _ = fzero.SimWorld(1).run(body, gb.MLP64(), False)[0]
+        raced, unused = fzero.SimWorld(1).run(body, gb.MLP64(), True)[0]
+    finally:
+        gc.enable()
+    assert unused == []
+    for name, value in calm.items():
+        assert torch.equal(raced[name], value), name
