@@ -30,7 +30,7 @@ import hashlib
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -414,12 +414,23 @@ class ModuleVersions:
         """Every watched tensor `model` still holds, while their values were never compared
         with those of the state's tensors that took them, which nothing wrote since (see the
         class note); else nothing."""
-        if any(ref() is None or ref()._version != version for ref, version in self._taken):
-            self._taken = []  # the state's tensors were written: they hold what trains now
+        live = [(ref, version) for ref, version in self._taken if ref() is not None]
+        if any(ref()._version != version for ref, version in live):
+            live = []  # the state's tensors were written: they hold what trains now
+        self._taken = live  # (a dropped state's are gone: its clones', `cloned`, remain)
         if not self._taken:
             return {}
         return {name: tensor for name, seen in self._seen.items()
                 if (tensor := seen.ref()) is not None and _holds(model, name, tensor)}
+
+    def cloned(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
+        """A state was cloned (`fzero.clone_state`): each ``(original, copy)`` whose original
+        took the module's values and was not written since is one more tensor holding them,
+        which the first step may compare (the original may be dropped, the clone trained)."""
+        taken = {id(ref()): version for ref, version in self._taken if ref() is not None}
+        for original, copy in pairs:
+            if taken.get(id(original)) == original._version:
+                self._taken.append((weakref.ref(copy), copy._version))
 
     def verified(self) -> None:
         """The watched tensors' values were found to be the state's: `unverified` is empty

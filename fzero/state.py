@@ -301,6 +301,10 @@ def clone_state(state: ShardState) -> ShardState:
     check_live(state, "clone_state")
     tensors = (state.params, state.grads, state.master, state.moments, state.buffers)
     params, grads, master, moments, buffers = copy.deepcopy(tensors)  # one memo: views kept
+    versions = state.config.module_versions
+    if versions is not None:  # the copies hold the module's values as much as the originals
+        versions.cloned([*zip(state.params, params, strict=True),
+                         *zip(state.buffers.values(), buffers.values(), strict=True)])
     return dataclasses.replace(
         state, params=params, grads=grads, master=master, moments=moments, buffers=buffers,
         lease=Lease(),

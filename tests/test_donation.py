@@ -276,3 +276,27 @@ def test_a_watch_callback_in_another_thread_never_drops_the_leaves_a_step_uses()
     assert unused == []
     for name, value in calm.items():
         assert torch.equal(raced[name], value), name
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_weights_loaded_through_data_after_init_raise_also_when_a_clone_trains(stage):
+    """Weights written into the module through ``.data`` after ``init`` (which bumps no version
+    counter) are found by the first step, which compares the module's values with the state
+    tensors that took them. Those were held weakly, and a dropped one read as "the state was
+    written since": replacing the state with its clone before the first step turned the check
+    off, and the clone trained the old values silently (a probe). A clone holds the values as
+    much as its original does."""
+
+    def body(comm, model):
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.copy_(torch.full_like(p, 0.5))  # "pretrained weights", loaded too late
+        state = fzero.clone_state(state)  # the original is dropped
+        step = fzero.make_train_step(model, gb.mse_loss)
+        # rank 0 compares (every rank's state took rank 0's values); the others learn of it
+        expected = "written in place after" if comm.rank == 0 else r"rank\(s\) \[0\]"
+        with pytest.raises((ValueError, fzero.StepError), match=expected):
+            step(state, gb.mse_batches(1, rows=2)[0])
+
+    fzero.SimWorld(2).run(body, gb.MLP64())
