@@ -70,13 +70,14 @@ class _Aborted(RuntimeError):
     """A collective released because another rank failed (a secondary failure)."""
 
 
-def _copied(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """``copy.deepcopy((args, kwargs))``, with what torch's deep copy of a parameter drops
-    put back or refused: a parameter's Python attributes (``p.flag = ...``, Hugging Face's
-    ``_is_hf_initialized``; forward code may read them) are copied onto the copy's
-    parameter; gradient hooks (``p.register_hook``), which a copy would silently lose, raise
-    (each rank training without them would differ from the processes it simulates)."""
-    copied = copy.deepcopy((args, kwargs))
+def _mend_parameter_copies(
+    args: tuple[Any, ...], kwargs: dict[str, Any], copied: tuple[Any, Any]
+) -> None:
+    """Put back, or refuse, what torch's deep copy of a parameter drops, in `copied` (a
+    ``copy.deepcopy((args, kwargs))``): a parameter's Python attributes (``p.flag = ...``,
+    Hugging Face's ``_is_hf_initialized``; forward code may read them) are copied onto the
+    copy's parameter; gradient hooks (``p.register_hook``), which a copy would silently lose,
+    raise (each rank training without them would differ from the processes it simulates)."""
     pairs = itertools.chain(
         *(_parameter_pairs(a, b, f"argument {i}") for i, (a, b) in enumerate(
             zip(args, copied[0], strict=True))),
@@ -91,7 +92,6 @@ def _copied(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
             )
         if original.__dict__ and not twin.__dict__:
             twin.__dict__.update(copy.deepcopy(original.__dict__))
-    return copied
 
 
 def _parameter_pairs(
@@ -426,19 +426,19 @@ class SimWorld:
                 the rank, with the original exception as `__cause__`.
             TypeError: If `copy_args` and the arguments cannot be deep-copied.
             ValueError: If `copy_args` and a parameter of a module in the arguments carries
-                gradient hooks, which a copy cannot carry (see `_copied`).
+                gradient hooks, which a copy cannot carry (see `_mend_parameter_copies`).
         """
         n = self.n
         if self.copy_args:
             try:
-                per_rank = [_copied(args, kwargs) for _ in range(n)]
-            except ValueError:
-                raise
+                per_rank = [copy.deepcopy((args, kwargs)) for _ in range(n)]
             except Exception as exc:
                 raise TypeError(
                     f"SimWorld.run could not deep-copy the arguments of {fn!r} for each rank "
                     f"({exc}); pass copies that can be, or use SimWorld(..., copy_args=False)"
                 ) from exc
+            for copied in per_rank:
+                _mend_parameter_copies(args, kwargs, copied)
         else:
             per_rank = [(args, kwargs)] * n
         world = _World(n, self.timeout)

@@ -609,37 +609,9 @@ def _run(
                     failure = exc
                     session.recover(last, peer=False)
         grads = session.finish()
-        if failure is None and not session.aborted and session.written:
-            failure = ValueError(
-                f"stage 3: parameters of buckets "
-                f"{[state.layout.buckets[i].label for i in session.written]} were written "
-                f"during the step in a way autograd does not see (through .data, e.g. "
-                f"p.data.clamp_(...) in forward): stage 3 writes into a gathered copy it then "
-                f"discards, so the write would be lost silently. Change parameters between "
-                f"steps (fzero.full_params / a new state), or use stage 0-2, where such a write "
-                f"lands in the state")
         replaced = leaves.replaced()
-        if replaced and failure is None and not session.aborted:
-            failure = ValueError(
-                f"forward replaced the data of parameters {replaced[:5]} (`p.data = ...`, or "
-                f"`module.to(dtype)` / `.float()` inside forward, which does that): the tensor "
-                f"a step binds for a parameter is a view of the state's memory, and one given "
-                f"new data no longer is, so the new values (or dtype) would be lost and later "
-                f"steps would read stale ones. Write in place instead (`p.data.copy_(...)` "
-                f"lands in the state at stages 0-2), or give the parameter, before fzero.init, "
-                f"the dtype forward converts it to (e.g. a Hugging Face SwitchTransformers "
-                f"router kept in its router_dtype: build the model in those dtypes and leave "
-                f"param_dtype unset), so that the conversion is a no-op")
-        reached = watch.reached() if failure is None and not session.aborted else []
-        if reached:
-            failure = ValueError(
-                f"the module's own parameters {reached[:5]} received gradients in this step: "
-                f"forward reached these parameter objects other than through their module "
-                f"attributes (a list or dict attribute that holds them, self.__dict__, a "
-                f"closure kept from __init__), which a step does not rebind, so it computed "
-                f"with the module's values, not the state's (stale after the first update), "
-                f"and their gradients were lost. Read parameters through the module attribute "
-                f"that registers them (self.proj.weight) in forward")
+        if failure is None and not session.aborted:
+            failure = _lost_to_the_state(state, session.written, replaced, watch)
         run = _Run(
             losses=losses,
             grads=grads,
@@ -656,6 +628,46 @@ def _run(
     if replaced:  # those leaves are unusable: the next step builds new ones
         leaves.drop()
     return run
+
+
+def _lost_to_the_state(
+    state: ShardState, written: Sequence[int], replaced: Sequence[str], watch: GradientWatch
+) -> ValueError | None:
+    """Why the step just computed must not be applied, when forward changed or read parameters
+    in a way the state does not follow (each would be lost, or stale, silently); else None.
+    `written`: stage 3's buckets written through ``.data``; `replaced`: parameters given new
+    data (`_LeafCache.replaced`); `watch`: the module's own parameter objects."""
+    if written:
+        return ValueError(
+            f"stage 3: parameters of buckets "
+            f"{[state.layout.buckets[i].label for i in written]} were written "
+            f"during the step in a way autograd does not see (through .data, e.g. "
+            f"p.data.clamp_(...) in forward): stage 3 writes into a gathered copy it then "
+            f"discards, so the write would be lost silently. Change parameters between "
+            f"steps (fzero.full_params / a new state), or use stage 0-2, where such a write "
+            f"lands in the state")
+    if replaced:
+        return ValueError(
+            f"forward replaced the data of parameters {list(replaced[:5])} (`p.data = ...`, or "
+            f"`module.to(dtype)` / `.float()` inside forward, which does that): the tensor "
+            f"a step binds for a parameter is a view of the state's memory, and one given "
+            f"new data no longer is, so the new values (or dtype) would be lost and later "
+            f"steps would read stale ones. Write in place instead (`p.data.copy_(...)` "
+            f"lands in the state at stages 0-2), or give the parameter, before fzero.init, "
+            f"the dtype forward converts it to (e.g. a Hugging Face SwitchTransformers "
+            f"router kept in its router_dtype: build the model in those dtypes and leave "
+            f"param_dtype unset), so that the conversion is a no-op")
+    reached = watch.reached()
+    if reached:
+        return ValueError(
+            f"the module's own parameters {reached[:5]} received gradients in this step: "
+            f"forward reached these parameter objects other than through their module "
+            f"attributes (a list or dict attribute that holds them, self.__dict__, a "
+            f"closure kept from __init__), which a step does not rebind, so it computed "
+            f"with the module's values, not the state's (stale after the first update), "
+            f"and their gradients were lost. Read parameters through the module attribute "
+            f"that registers them (self.proj.weight) in forward")
+    return None
 
 
 class _Leaves:
