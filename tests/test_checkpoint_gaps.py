@@ -320,3 +320,67 @@ def test_an_interrupted_write_model_leaves_the_previous_file(tmp_path, monkeypat
         offline.write_model(path, target, overwrite=True)
     assert target.read_bytes() == before
     assert len(calls) == 2
+
+
+class DiskEvents:
+    """Records, in order, every ``os.fsync`` (by the real path of the file or directory it
+    flushed) and every ``os.rename`` / ``os.replace`` (Linux: the path of a descriptor comes
+    from /proc/self/fd)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.events: list[tuple[str, ...]] = []
+        real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+        def fsync(fd: int) -> None:
+            self.events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+            real_fsync(fd)
+
+        def moving(real: Any) -> Any:
+            def move(src: Any, dst: Any) -> None:
+                real(src, dst)
+                self.events.append(("rename", os.path.realpath(src), os.path.realpath(dst)))
+            return move
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "rename", moving(real_rename))
+        monkeypatch.setattr(os, "replace", moving(real_replace))
+
+    def check_durable(self) -> int:
+        """Assert that everything renamed was flushed before its rename (a directory: its
+        entries and every file in it) and that the directory it landed in was flushed after;
+        the number of renames checked."""
+        renames = [(i, e[1], e[2]) for i, e in enumerate(self.events) if e[0] == "rename"]
+        for at, src, dst in renames:
+            before = {e[1] for e in self.events[:at] if e[0] == "fsync"}
+            after = {e[1] for e in self.events[at + 1:] if e[0] == "fsync"}
+            assert src in before, f"{src} renamed to {dst} before it was flushed"
+            if os.path.isdir(dst):
+                for name in os.listdir(dst):
+                    assert os.path.join(src, name) in before, f"{name} in {src} not flushed"
+            assert os.path.dirname(dst) in after, f"{os.path.dirname(dst)} not flushed after " \
+                                                  f"{dst} appeared in it"
+        return len(renames)
+
+
+def test_save_reshard_export_and_write_model_reach_the_disk_before_they_return(
+        tmp_path, monkeypatch) -> None:
+    """A power cut right after any of them returns must not lose what it wrote: every file is
+    flushed before it is renamed into place, and the directory it lands in after. reshard
+    never flushed its new directory nor the parent around its rename, export neither its
+    index nor its directory, write_model not the directory, all unlike fzero.save. Relative
+    paths: the directory flushed after the rename is then the current one."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd (Linux) to name the flushed descriptors")
+    monkeypatch.chdir(tmp_path)
+    events = DiskEvents(monkeypatch)
+    save("c")
+    assert events.check_durable() == 1
+    events.events.clear()
+    fzero.checkpoint.reshard("c", "r", world_size=3)
+    assert events.check_durable() == 1
+    events.events.clear()
+    fzero.checkpoint.export("c", "hf", max_shard_size=60)
+    assert events.check_durable() > 2  # the weights files and the index
+    events.events.clear()
+    offline.write_model("c", "model.safetensors")
+    assert events.check_durable() == 1

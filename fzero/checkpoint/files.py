@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["CHUNK_BYTES", "DTYPE_CODES", "FileInfo", "ShardFile", "TensorSpec", "crc32",
-           "write_file"]
+           "fsync_dir", "write_file"]
 
 CHUNK_BYTES = 4 << 20
 """Bytes per read when checksumming a file."""
@@ -74,6 +74,19 @@ class FileInfo(NamedTuple):
 
     bytes: int
     crc32: int
+
+
+def fsync_dir(path: str) -> None:
+    """Flush directory `path`'s entries (files created or renamed in it) to stable storage:
+    without it a power cut after a rename may lose the rename, whatever the files hold."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # not supported (e.g. Windows): the rename is still atomic
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_file(

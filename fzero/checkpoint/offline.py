@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from fzero.checkpoint import record
-from fzero.checkpoint.files import TensorSpec, write_file
+from fzero.checkpoint.files import TensorSpec, fsync_dir, write_file
 from fzero.checkpoint.loading import Reader
 from fzero.checkpoint.manifest import (
     MANIFEST,
@@ -172,12 +172,15 @@ def export(
         target = os.path.join(out_dir, "model.safetensors.index.json")
         with open(target + ".tmp", "w") as f:
             json.dump(index, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(target + ".tmp", target)
         written.append(target)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         _config_for(config, tensors).save_pretrained(out_dir)
         written.append(os.path.join(out_dir, "config.json"))
+    fsync_dir(out_dir)  # the renames themselves (each weights file was flushed before its own)
     return written
 
 
@@ -221,6 +224,7 @@ def write_model(
     with Reader(path, manifest, manifest.layout, pin) as reader:
         _write_weights(target, reader, tensors, bar)
     bar.close()
+    fsync_dir(os.path.dirname(target) or os.curdir)
 
 
 def _write_weights(target: str, reader: Reader, tensors: Sequence[_Tensor], bar: _Progress) -> None:
@@ -314,7 +318,9 @@ def reshard(
         f.write(result.to_json())
         f.flush()
         os.fsync(f.fileno())
+    fsync_dir(partial)  # as `fzero.save`: the files' entries, then the rename, reach the disk
     os.rename(partial, dst)
+    fsync_dir(os.path.dirname(dst) or os.curdir)
     return result
 
 

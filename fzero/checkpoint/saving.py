@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fzero.checkpoint import record
-from fzero.checkpoint.files import TensorSpec, write_file
+from fzero.checkpoint.files import TensorSpec, fsync_dir, write_file
 from fzero.checkpoint.manifest import (
     MANIFEST,
     PARTIAL_SUFFIX,
@@ -220,7 +220,7 @@ def _publish(manifest: Manifest, path: str, partial: str) -> str | None:
             f.write(manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(partial)
+        fsync_dir(partial)
         if os.path.exists(path):
             old = path + ".old"
             if not only_a_saves_files(old):
@@ -233,7 +233,7 @@ def _publish(manifest: Manifest, path: str, partial: str) -> str | None:
             shutil.rmtree(old)
         else:
             os.rename(partial, path)
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
     except OSError as error:
         return f"cannot publish {path}: {error}"
     return None
@@ -248,17 +248,6 @@ def only_a_saves_files(directory: str) -> bool:
     if os.path.islink(directory) or not os.path.isdir(directory):
         return False
     return all(name == MANIFEST or _SHARD_FILE.fullmatch(name) for name in os.listdir(directory))
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # not supported (e.g. Windows): the rename is still atomic
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rng_states(device: torch.device) -> list[tuple[str, Tensor]]:
