@@ -187,7 +187,10 @@ class Residency:
         prefetch: positions gathered ahead of use.
         check_writes: compare this rank's part of each bucket with its shard when releasing
             it, noting in `written` the buckets written bypassing autograd (through ``.data``,
-            which bumps no version counter a leaf shows); costs a read of the shard.
+            which bumps no version counter a leaf shows); costs a read of the shard. Without
+            it, the buckets whose parameters' ``.data`` the guard saw taken in this step
+            (`data_taken`) are compared all the same, on every release for the rest of the
+            step (an alias taken in forward writes into the bucket gathered again later).
         buffers: the full buffers and leaves to gather into (every bucket released), or None
             for new ones.
     """
@@ -214,6 +217,7 @@ class Residency:
         self.prefetch = prefetch
         self.check_writes = check_writes
         self.written: set[int] = set()
+        self.data_taken: set[int] = set()
         if buffers is None:
             buffers = FullBuffers(layout, shards)
         self.full = buffers.full
@@ -373,7 +377,7 @@ class Residency:
         self.resident.discard(index)
         self.fresh.discard(index)
         if index in self.allocated:
-            if self.check_writes:
+            if self.check_writes or index in self.data_taken:
                 lo, hi = self.layout.buckets[index].shard_range(self.data.rank)
                 gathered = self.full[index][lo:hi].view(torch.uint8)  # bits: NaN is NaN
                 if not torch.equal(gathered, self.shards[index].view(torch.uint8)):
@@ -649,8 +653,13 @@ def _reads_data(func: Any) -> bool:
     remembered: the guard asks for every torch call of a step)."""
     name = getattr(func, "__name__", "")
     if name == "__get__":  # a property: .grad or .shape read nothing, .T views the data
-        return getattr(getattr(func, "__self__", None), "__name__", "") in _DATA_PROPERTIES
+        return _property(func) in _DATA_PROPERTIES
     return name not in _METADATA
+
+
+def _property(getter: Any) -> str:
+    """The name of the tensor property whose ``__get__`` `getter` is."""
+    return getattr(getattr(getter, "__self__", None), "__name__", "")
 
 
 class _Guard(TorchFunctionMode):
@@ -679,6 +688,8 @@ class _Guard(TorchFunctionMode):
                             index = bucket_of.get(id(base))
                     if index is not None:
                         residency.read(index)
+                        if getattr(func, "__name__", "") == "__get__" and _property(func) == "data":
+                            residency.data_taken.add(index)  # writes through it bump nothing
                     elif residency.inflight:
                         residency.settle(item)
         try:

@@ -432,8 +432,11 @@ def make_eval_step(
                          what="eval step", own=problem)
             streams = Streams.for_device(state.config.device)
             with _sharded(state, model, prefetch, streams, train=False) as session:
-                return binder.run(_bindings(state, session.leaves, buffers, named),
-                                  lambda: session.evaluate(fn, model, batch))
+                out = binder.run(_bindings(state, session.leaves, buffers, named),
+                                 lambda: session.evaluate(fn, model, batch))
+            if session.written:  # found as the buckets were released, the last ones on exit
+                raise _written_through_data(state, session.written)
+            return out
 
     return evaluate
 
@@ -638,14 +641,7 @@ def _lost_to_the_state(
     `written`: stage 3's buckets written through ``.data``; `replaced`: parameters given new
     data (`_LeafCache.replaced`); `watch`: the module's own parameter objects."""
     if written:
-        return ValueError(
-            f"stage 3: parameters of buckets "
-            f"{[state.layout.buckets[i].label for i in written]} were written "
-            f"during the step in a way autograd does not see (through .data, e.g. "
-            f"p.data.clamp_(...) in forward): stage 3 writes into a gathered copy it then "
-            f"discards, so the write would be lost silently. Change parameters between "
-            f"steps (fzero.full_params / a new state), or use stage 0-2, where such a write "
-            f"lands in the state")
+        return _written_through_data(state, written)
     if replaced:
         return ValueError(
             f"forward replaced the data of parameters {list(replaced[:5])} (`p.data = ...`, or "
@@ -668,6 +664,17 @@ def _lost_to_the_state(
             f"and their gradients were lost. Read parameters through the module attribute "
             f"that registers them (self.proj.weight) in forward")
     return None
+
+
+def _written_through_data(state: ShardState, written: Sequence[int]) -> ValueError:
+    """The error for stage 3's buckets `written` through ``.data`` in a step (train or eval)."""
+    return ValueError(
+        f"stage 3: parameters of buckets {[state.layout.buckets[i].label for i in written]} "
+        f"were written during the step in a way autograd does not see (through .data, e.g. "
+        f"p.data.clamp_(...) in forward): stage 3 writes into a gathered copy it then "
+        f"discards, so the write would be lost silently. Change parameters between steps "
+        f"(fzero.full_params / a new state), or use stage 0-2, where such a write lands in "
+        f"the state")
 
 
 class _Leaves:

@@ -200,6 +200,84 @@ def test_a_write_through_data_in_forward_raises_at_stage_3() -> None:
             error["message"])
 
 
+class ClampsThroughDataLater(ClampsThroughData):
+    """Clips through ``.data`` from its second forward on: a step function compares every
+    bucket with its shard on its first step only, so only the guard seeing ``.data`` taken
+    finds this write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, inp: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            return self.out(torch.tanh(self.a(inp)))
+        return super().forward(inp)
+
+
+class ReadsThroughData(ClampsThroughData):
+    """Reads a weight through ``.data`` in forward (a logged norm), writes nothing."""
+
+    def forward(self, inp: Tensor) -> Tensor:
+        self.norm = float(self.a.weight.data.norm())
+        return self.out(torch.tanh(self.a(inp)))
+
+
+def test_a_write_through_data_after_the_first_step_raises_at_stage_3() -> None:
+    """The write check ran on a step function's first step only: a clamp that began on the
+    second step was lost with the gathered copy, silently (the state kept training unclamped
+    weights). Every rank raises at that step, the state unchanged."""
+    outs = fzero.SimWorld(2).run(gb.train_through_failure, ClampsThroughDataLater(),
+                                 gb.mse_loss, square(3), stage=3, fail={})
+    for out in outs:
+        assert sorted(out["errors"]) == [1, 2], out["errors"]  # every step that clamps
+        for error in out["errors"].values():
+            assert error["unchanged"]
+            assert error["type"] in ("ValueError", "StepError")
+    assert any(error["type"] == "ValueError" for out in outs for error in out["errors"].values())
+    assert all("written during the step in a way autograd does not see" in error["message"]
+               for out in outs for error in out["errors"].values())
+
+
+def test_reading_through_data_in_forward_trains_like_torch_at_stage_3() -> None:
+    """The guard compares the buckets whose ``.data`` was taken: reading it changes nothing."""
+    data = square(3)
+    want = gb.reference(ReadsThroughData(), gb.mse_loss, data)
+    outs = fzero.SimWorld(2).run(gb.train, ReadsThroughData(), gb.mse_loss, data, stage=3)
+    gb.assert_parity(outs[0], want)
+
+
+def _evaluate_outcome(comm: Any, model: nn.Module, stage: int, x: Tensor) -> dict[str, Any]:
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+    evaluate = fzero.make_eval_step(model, lambda call, batch: call(batch))
+    try:
+        evaluate(state, x)
+        raised = None
+    except ValueError as error:
+        raised = str(error)
+    return {"raised": raised, "weight": fzero.full_params(state)["a.weight"]}
+
+
+def test_a_write_through_data_in_an_eval_step_lands_in_the_state_or_raises() -> None:
+    """An eval step's forward writing through ``.data``: in torch the write stays in the
+    module. Below stage 3 it lands in the state (the bound tensors view it); stage 3 lost it
+    with the gathered copy, silently; it raises on a rank whose part the write changed, and
+    the state is unchanged."""
+    x = square(1)[0][0][:2]
+    initial = ClampsThroughData().a.weight.detach().clone()
+    for stage in (0, 1, 2):
+        outs = fzero.SimWorld(2).run(_evaluate_outcome, ClampsThroughData(), stage, x)
+        for out in outs:
+            assert out["raised"] is None
+            torch.testing.assert_close(out["weight"], initial.clamp(-0.2, 0.2), rtol=0, atol=0)
+    outs = fzero.SimWorld(2).run(_evaluate_outcome, ClampsThroughData(), 3, x)
+    assert any(out["raised"] is not None for out in outs)
+    for out in outs:
+        assert out["raised"] is None or "written during the step" in out["raised"]
+        torch.testing.assert_close(out["weight"], initial, rtol=0, atol=0)
+
+
 class BiasReadInBackward(nn.Module):
     """Two Linear layers; the loss adds nothing but makes backward read the head's bias first,
     through a gradient hook: a read the guard sees, not a saved tensor (a Linear's backward does
