@@ -57,7 +57,7 @@ from torch.overrides import TorchFunctionMode
 
 from fzero.collect import Pending, SideStreams, all_gather_bucket
 from fzero.comm import Comm
-from fzero.flat import alias_leaves
+from fzero.flat import alias_leaves, bits
 from fzero.layout import ShardLayout
 from fzero.schedule import (
     ABORTED,
@@ -379,8 +379,7 @@ class Residency:
         if index in self.allocated:
             if self.check_writes or index in self.data_taken:
                 lo, hi = self.layout.buckets[index].shard_range(self.data.rank)
-                gathered = self.full[index][lo:hi].view(torch.uint8)  # bits: NaN is NaN
-                if not torch.equal(gathered, self.shards[index].view(torch.uint8)):
+                if not torch.equal(bits(self.full[index][lo:hi]), bits(self.shards[index])):
                     self.written.add(index)
             storage = self.full[index].untyped_storage()
             self.by_pointer.pop(storage.data_ptr(), None)

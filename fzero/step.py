@@ -65,7 +65,7 @@ from fzero.consensus import (
     exchange_statistics,
     float_bits,
 )
-from fzero.flat import alias_leaves, all_finite, entry_views, shard_view, unflatten
+from fzero.flat import alias_leaves, all_finite, bits, entry_views, shard_view, unflatten
 from fzero.layout import ShardLayout
 from fzero.optim import Schedule, clip_coefficient
 from fzero.residency import (
@@ -667,14 +667,47 @@ def _lost_to_the_state(
 
 
 def _written_through_data(state: ShardState, written: Sequence[int]) -> ValueError:
-    """The error for stage 3's buckets `written` through ``.data`` in a step (train or eval)."""
+    """The error for buckets `written` through ``.data`` in a step where the write would be
+    lost: stage 3's gathered copies (train or eval), or parameters recomputed from a master
+    copy (stages 0-2, train)."""
+    labels = [state.layout.buckets[i].label for i in written]
+    if state.stage == 3:
+        why = ("stage 3 writes into a gathered copy it then discards, so the write would be "
+               "lost silently. Change parameters between steps (fzero.full_params / a new "
+               "state), or use stage 0-2 without a separate master copy, where such a write "
+               "lands in the state")
+    else:
+        why = (f"the update recomputes these parameters from the optimizer's master copy "
+               f"(param_dtype {state.params[written[0]].dtype} apart from master_dtype "
+               f"{state.config.master_dtype}), so the write would be lost silently. Train "
+               f"with param_dtype equal to master_dtype (then the parameters are the master "
+               f"copy and the write lands in it, as in torch), or change parameters between "
+               f"steps (fzero.full_params / a new state)")
     return ValueError(
-        f"stage 3: parameters of buckets {[state.layout.buckets[i].label for i in written]} "
-        f"were written during the step in a way autograd does not see (through .data, e.g. "
-        f"p.data.clamp_(...) in forward): stage 3 writes into a gathered copy it then "
-        f"discards, so the write would be lost silently. Change parameters between steps "
-        f"(fzero.full_params / a new state), or use stage 0-2, where such a write lands in "
-        f"the state")
+        f"{'stage 3: ' if state.stage == 3 else ''}parameters of buckets {labels} were "
+        f"written during the step in a way autograd does not see (through .data, e.g. "
+        f"p.data.clamp_(...) in forward): {why}")
+
+
+def _written_apart_from_master(state: ShardState) -> list[int]:
+    """Stages 0-2: the trainable buckets whose parameters differ, in this rank's part, from
+    their master copy cast to the parameters' dtype. The parameters are that cast after every
+    update (and after `init` and `load`), so a difference is a write through ``.data`` (which
+    no version counter shows), and the update would drop it. A read of the rank's part of
+    each bucket with a separate master copy, one device-to-host copy for all of them."""
+    differs: list[tuple[int, Tensor]] = []
+    for index, bucket in enumerate(state.layout.buckets):
+        master, params = state.master[index], state.params[index]
+        if master is None or (master.untyped_storage().data_ptr()
+                              == params.untyped_storage().data_ptr()):
+            continue  # no master, or the parameters are the master copy
+        mine = shard_view(params, bucket, state.rank)
+        kept = shard_view(master, bucket, state.rank) if state.stage == 0 else master
+        differs.append((index, torch.ne(bits(mine), bits(kept.to(mine.dtype))).any()))
+    if not differs:
+        return []
+    flags = torch.stack([flag for _, flag in differs]).tolist()
+    return [index for (index, _), flag in zip(differs, flags, strict=True) if flag]
 
 
 class _Leaves:
@@ -832,7 +865,12 @@ def _drop_if(cache: weakref.ref[_LeafCache], leaves: weakref.ref[Any]) -> None:
 class _ReplicatedSession:
     """Stages 0-2: full parameters, one leaf per parameter over the flat buffers."""
 
-    written: tuple[int, ...] = ()  # a write through .data lands in the state: nothing is lost
+    @property
+    def written(self) -> list[int]:
+        """Buckets whose parameters forward wrote through ``.data`` where the write would be
+        lost: those with a master copy apart from the parameters (`_written_apart_from_master`).
+        Elsewhere such a write lands in the state, as in torch."""
+        return _written_apart_from_master(self.state)
 
     def __init__(
         self, state: ShardState, streams: SideStreams | None, gate: Callable[[], None],

@@ -198,3 +198,26 @@ def test_all_finite_is_isfinite_all(values: list[float], dtype: torch.dtype) -> 
     tensor = torch.tensor(values, dtype=dtype)
     assert all_finite(tensor) == bool(torch.isfinite(tensor).all())
     assert not all_finite(torch.tensor([1.0, float("-inf"), 2.0], dtype=dtype))
+
+
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.5, -2.0, 1e-30, float("inf"), float("nan")]),
+                min_size=1, max_size=8),
+       st.integers(0, 7),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                        torch.complex64, torch.complex128, torch.int8]))
+def test_bits_compare_equal_exactly_when_the_bytes_do(values: list[float], flip: int,
+                                                      dtype: torch.dtype) -> None:
+    """`bits` views elements as integers of their own width (any width: complex128's 16 bytes
+    fall back to bytes): two tensors' bits are equal exactly when their bytes are, so NaN
+    equals NaN and -0.0 differs from 0.0, and the view is of the same memory."""
+    from fzero.flat import bits
+
+    a = torch.tensor(values).to(dtype)
+    b = a.clone()
+    b.view(torch.uint8)[flip % b.view(torch.uint8).numel()] ^= 1
+    for x, y in ((a, a.clone()), (a, b)):
+        assert torch.equal(bits(x), bits(y)) == torch.equal(x.view(torch.uint8),
+                                                            y.view(torch.uint8))
+    assert not torch.equal(bits(a), bits(b))
+    assert bits(a).untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    assert bits(a).element_size() in (a.element_size(), 1)

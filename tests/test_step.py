@@ -893,6 +893,66 @@ def test_a_parameter_written_in_place_by_forward_raises(stage: int, accum_steps:
         assert ("This rank's state already holds the change" in message) == (stage < 3)
 
 
+class _ClampsThroughData(nn.Module):
+    """Clips its first weight through ``.data`` in forward (WGAN style), which bumps no version
+    counter; from the second forward on with ``later=True``."""
+
+    def __init__(self, later: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 2)
+        self.later, self.calls = later, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if not self.later or self.calls > 1:
+            self.a.weight.data.clamp_(-0.05, 0.05)
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _clamped_outcome(comm: Any, *, stage: int, param_dtype: torch.dtype | None,
+                     later: bool) -> dict[str, Any]:
+    """Two SGD steps at lr 0 (the weights move only by the clamp); each step's error, whether
+    the state stayed as it was, and the weight after."""
+    model = _ClampsThroughData(later)
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.0), comm=comm,
+                       param_dtype=param_dtype)
+    step = fzero.make_train_step(model, lambda call, x: call(x).float().pow(2).mean())
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(comm.rank))
+    errors = []
+    for _ in range(2):
+        before = fzero.full_params(state, master=True)
+        try:
+            state, _ = step(state, x.to(param_dtype or torch.float32))
+        except ValueError as error:
+            after = fzero.full_params(state, master=True)
+            errors.append((str(error), all(torch.equal(after[n], v) for n, v in before.items())))
+    return {"errors": errors, "weight": fzero.full_params(state, master=True)["a.weight"]}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("later", [False, True])
+def test_a_write_through_data_is_kept_or_raises_when_a_master_copy_would_drop_it(
+        stage: int, later: bool) -> None:
+    """Stages 0-2 train the state's own memory, so a forward's write through ``.data`` lands
+    in it, as in torch: with float32 parameters the clamp holds. With a master copy apart from
+    the parameters (bfloat16 parameters, float32 master), the update recomputed the
+    parameters from the master copy and the clamp was dropped, silently (the weight kept
+    its 0.35). Every rank raises instead, naming the bucket, and the state is unchanged."""
+    for out in fzero.SimWorld(2).run(_clamped_outcome, stage=stage, param_dtype=None,
+                                     later=later):
+        assert out["errors"] == []
+        assert float(out["weight"].abs().max()) == pytest.approx(0.05)
+    for out in fzero.SimWorld(2).run(_clamped_outcome, stage=stage,
+                                     param_dtype=torch.bfloat16, later=later):
+        assert len(out["errors"]) == (1 if later else 2), out["errors"]
+        for message, unchanged in out["errors"]:
+            assert "parameters of buckets ['a'] were written during the step" in message
+            assert "master copy" in message
+            assert unchanged
+        assert float(out["weight"].abs().max()) > 0.3  # never clamped, never updated
+
+
 def _fp16_one_step(comm: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                    stage: int) -> tuple[float, dict[str, torch.Tensor]]:
     state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1),
