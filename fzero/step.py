@@ -682,7 +682,9 @@ def _written_through_data(state: ShardState, written: Sequence[int]) -> ValueErr
                f"{state.config.master_dtype}), so the write would be lost silently. Train "
                f"with param_dtype equal to master_dtype (then the parameters are the master "
                f"copy and the write lands in it, as in torch), or change parameters between "
-               f"steps (fzero.full_params / a new state)")
+               f"steps (fzero.full_params / a new state). This rank's parameters already hold "
+               f"the write (forward wrote the state's own memory), its master copy does not: "
+               f"rebuild the state (a checkpoint, or fzero.init) before training on")
     return ValueError(
         f"{'stage 3: ' if state.stage == 3 else ''}parameters of buckets {labels} were "
         f"written during the step in a way autograd does not see (through .data, e.g. "

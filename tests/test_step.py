@@ -913,7 +913,7 @@ class _ClampsThroughData(nn.Module):
 def _clamped_outcome(comm: Any, *, stage: int, param_dtype: torch.dtype | None,
                      later: bool) -> dict[str, Any]:
     """Two SGD steps at lr 0 (the weights move only by the clamp); each step's error, whether
-    the state stayed as it was, and the weight after."""
+    the master copy stayed as it was, and the master weight after."""
     model = _ClampsThroughData(later)
     state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.0), comm=comm,
                        param_dtype=param_dtype)
@@ -938,7 +938,8 @@ def test_a_write_through_data_is_kept_or_raises_when_a_master_copy_would_drop_it
     in it, as in torch: with float32 parameters the clamp holds. With a master copy apart from
     the parameters (bfloat16 parameters, float32 master), the update recomputed the
     parameters from the master copy and the clamp was dropped, silently (the weight kept
-    its 0.35). Every rank raises instead, naming the bucket, and the state is unchanged."""
+    its 0.35). Every rank raises instead, naming the bucket, before the update: the master
+    copy is unchanged (the parameters hold the write, and the error says so)."""
     for out in fzero.SimWorld(2).run(_clamped_outcome, stage=stage, param_dtype=None,
                                      later=later):
         assert out["errors"] == []
@@ -948,7 +949,7 @@ def test_a_write_through_data_is_kept_or_raises_when_a_master_copy_would_drop_it
         assert len(out["errors"]) == (1 if later else 2), out["errors"]
         for message, unchanged in out["errors"]:
             assert "parameters of buckets ['a'] were written during the step" in message
-            assert "master copy" in message
+            assert "master copy" in message and "rebuild the state" in message
             assert unchanged
         assert float(out["weight"].abs().max()) > 0.3  # never clamped, never updated
 
