@@ -612,9 +612,9 @@ def _run(
                     failure = exc
                     session.recover(last, peer=False)
         grads = session.finish()
-        replaced = leaves.replaced()
+        replaced, toggled = leaves.replaced(), leaves.toggled()
         if failure is None and not session.aborted:
-            failure = _lost_to_the_state(state, session.written, replaced, watch)
+            failure = _lost_to_the_state(state, session.written, replaced, toggled, watch)
         run = _Run(
             losses=losses,
             grads=grads,
@@ -628,18 +628,20 @@ def _run(
             gathered_peak=session.gathered_peak,
             grad_peak=session.reducer.peak_bytes if session.reducer is not None else 0,
         )
-    if replaced:  # those leaves are unusable: the next step builds new ones
+    if replaced or toggled:  # those leaves are unusable: the next step builds new ones
         leaves.drop()
     return run
 
 
 def _lost_to_the_state(
-    state: ShardState, written: Sequence[int], replaced: Sequence[str], watch: GradientWatch
+    state: ShardState, written: Sequence[int], replaced: Sequence[str],
+    toggled: Sequence[str], watch: GradientWatch,
 ) -> ValueError | None:
     """Why the step just computed must not be applied, when forward changed or read parameters
     in a way the state does not follow (each would be lost, or stale, silently); else None.
-    `written`: stage 3's buckets written through ``.data``; `replaced`: parameters given new
-    data (`_LeafCache.replaced`); `watch`: the module's own parameter objects."""
+    `written`: buckets written through ``.data`` where that is lost; `replaced`: parameters
+    given new data (`_LeafCache.replaced`); `toggled`: parameters whose ``requires_grad``
+    forward changed (`_toggled`); `watch`: the module's own parameter objects."""
     if written:
         return _written_through_data(state, written)
     if replaced:
@@ -653,6 +655,16 @@ def _lost_to_the_state(
             f"the dtype forward converts it to (e.g. a Hugging Face SwitchTransformers "
             f"router kept in its router_dtype: build the model in those dtypes and leave "
             f"param_dtype unset), so that the conversion is a no-op")
+    if toggled:
+        return ValueError(
+            f"forward changed requires_grad of parameters {list(toggled[:5])} (e.g. "
+            f"p.requires_grad_(False) to freeze a layer after using it): which parameters "
+            f"train is fixed when the state is built (fzero.init's trainable=), and a step "
+            f"binds tensors of its own in their place, so the change would be half applied "
+            f"(torch leaves the gradient of a parameter frozen after its use None, and skips "
+            f"it in the update) and forgotten by the next step. To train another set, build a "
+            f"new state (e.g. fzero.init(..., load=) from full_params or a checkpoint, with "
+            f"trainable=) and a new step, between steps")
     reached = watch.reached()
     if reached:
         return ValueError(
@@ -750,6 +762,10 @@ class _Leaves:
                                                          strict=True)
                 if leaf.dtype != dtype or leaf.data_ptr() != pointer]
 
+    def toggled(self) -> list[str]:
+        """The parameters whose leaf's ``requires_grad`` forward changed (`_toggled`)."""
+        return _toggled(self.layout, self.leaves)
+
     def fits(self, state: ShardState) -> bool:
         """Whether these are the leaves of `state`'s tensors (the very objects)."""
         tensors = (*state.params, *trainable_only(state.grads))
@@ -796,6 +812,10 @@ class _ShardedLeaves:
     def replaced(self) -> list[str]:
         """The parameters whose leaf no longer views its full buffer (`FullBuffers.replaced`)."""
         return self.buffers.replaced()
+
+    def toggled(self) -> list[str]:
+        """The parameters whose leaf's ``requires_grad`` forward changed (`_toggled`)."""
+        return _toggled(self.buffers.layout, self.buffers.leaves)
 
     def close(self) -> None:
         """Remove the hooks (the leaves are not used again)."""
@@ -848,12 +868,26 @@ class _LeafCache:
         """The parameters whose cached leaf forward gave new data (see `_Leaves.replaced`)."""
         return self._leaves.replaced() if self._leaves is not None else []
 
+    def toggled(self) -> list[str]:
+        """The parameters whose cached leaf's ``requires_grad`` forward changed."""
+        return self._leaves.toggled() if self._leaves is not None else []
+
     def drop(self) -> None:
         """Forget the cached leaves (removing their hooks)."""
         with self._lock:
             if self._leaves is not None:
                 self._leaves.close()
             self._leaves = self._watch = None
+
+
+def _toggled(layout: ShardLayout, leaves: Sequence[Sequence[Tensor]]) -> list[str]:
+    """The parameters whose leaf's ``requires_grad`` is no longer its bucket's (a leaf is
+    created requiring grad exactly when its bucket trains): forward set it on the tensor a
+    step binds in the parameter's place (``p.requires_grad_(False)``, freezing a layer)."""
+    return [entry.name
+            for bucket, bucket_leaves in zip(layout.buckets, leaves, strict=True)
+            for entry, leaf in zip(bucket.entries, bucket_leaves, strict=True)
+            if leaf.requires_grad != bucket.trainable]
 
 
 def _drop_if(cache: weakref.ref[_LeafCache], leaves: weakref.ref[Any]) -> None:
