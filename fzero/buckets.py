@@ -14,14 +14,20 @@ checkpointed regions (or in one and outside) accumulates twice. If its bucket wa
 being reduced, the second part would be lost: `Completion` raises instead, naming the
 parameter (non-reentrant checkpointing has a single backward pass and no such limit).
 
+A gradient can reach a parameter only in the step's own backward (`Completion.in_backward`):
+one accumulated before it, by a backward pass the user's code ran inside ``loss_fn``
+(``loss.backward()``), would start reductions in the middle of forward, out of the agreed
+order, and raises instead (``torch.autograd.grad`` accumulates nothing and is fine).
+
 The reductions themselves always run in `fzero.schedule.reduce_order` on every rank (see
 `[Note: one collective sequence per channel]` there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import NamedTuple
@@ -34,7 +40,7 @@ from fzero.comm import Comm
 from fzero.flat import shard_view
 from fzero.layout import ShardLayout
 
-__all__ = ["Completion", "Reducer", "LATE_GRADIENT_HELP"]
+__all__ = ["Completion", "Reducer", "LATE_GRADIENT_HELP", "OUTSIDE_BACKWARD_HELP"]
 
 LATE_GRADIENT_HELP = (
     "parameter {name!r} accumulated a gradient after its bucket {label!r} was already being "
@@ -43,6 +49,15 @@ LATE_GRADIENT_HELP = (
     "in one such region and outside it). Use use_reentrant=False (one backward pass; Hugging "
     "Face: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
     "{{'use_reentrant': False}})), or keep the parameter out of reentrant regions."
+)
+
+OUTSIDE_BACKWARD_HELP = (
+    "parameter {name!r} received a gradient outside the step's backward: loss_fn (or the "
+    "model's forward) ran a backward pass itself (loss.backward(), torch.autograd.backward) "
+    "over the model's parameters. A train step differentiates the loss loss_fn returns, once, "
+    "and reduces the gradients as its backward produces them: return the loss instead (for "
+    "several losses, their sum). torch.autograd.grad (a gradient penalty with "
+    "create_graph=True) accumulates nothing into parameters and is fine."
 )
 
 
@@ -63,6 +78,7 @@ class Completion:
         self.layout = layout
         self.on_complete = on_complete
         self.armed = True
+        self.in_backward = False  # set by the step around its own backward pass
         self.fired = [[False] * len(bucket_leaves) for bucket_leaves in leaves]
         self.ready = [0] * len(layout.buckets)
         self.completed = [False] * len(layout.buckets)
@@ -76,6 +92,9 @@ class Completion:
 
     def _hook(self, index: int, position: int) -> Callable[[Tensor], None]:
         def on_ready(_: Tensor) -> None:
+            if not self.in_backward:
+                raise RuntimeError(OUTSIDE_BACKWARD_HELP.format(
+                    name=self.layout.buckets[index].entries[position].name))
             self.used[index][position] = True
             if self.completed[index]:
                 bucket = self.layout.buckets[index]
@@ -90,6 +109,15 @@ class Completion:
                 self.on_complete(index)
 
         return on_ready
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Around the step's own backward pass, the only one where gradients may arrive."""
+        self.in_backward = True
+        try:
+            yield
+        finally:
+            self.in_backward = False
 
     def force(self, index: int) -> None:
         """Complete bucket `index` now: this rank knows none of its leaves can get a gradient in

@@ -556,7 +556,7 @@ class Residency:
 
     def pack(self, tensor: Tensor) -> Any:
         """Saved-tensor pack hook: parameters of a bucket are saved as a reference."""
-        index = self.by_pointer.get(tensor.untyped_storage().data_ptr())
+        index = self.by_pointer.get(_storage_pointer(tensor))
         if index is None or tensor.device != self.full[index].device:
             return tensor
         return _Saved(index, tensor.storage_offset(), tensor.shape, tensor.stride())
@@ -602,15 +602,33 @@ class Residency:
         (`explain`); gathered again by a prefetch, it would read the gather half done."""
         if tensor.layout != torch.strided or tensor.is_meta:
             return
-        index = self.by_pointer.get(tensor.untyped_storage().data_ptr())
+        index = self.by_pointer.get(_storage_pointer(tensor))
         if index is not None and index in self.inflight:
             self._wait(index)
 
     def explain(self, error: RuntimeError, model: nn.Module) -> RuntimeError:
-        """`error`, or an `OutsideOwnerError` when it is torch's complaint about reading a
-        released bucket's parameter."""
+        """`error`, or one that says what stage 3 has to do with it: an `OutsideOwnerError`
+        when it is torch's complaint about reading a released bucket's parameter, a
+        RuntimeError naming the saved-tensor hooks when ``torch.func`` refuses them."""
+        if _SAVED_HOOKS_REFUSED in str(error):
+            return RuntimeError(
+                f"stage 3 saves parameters for backward as references, through saved-tensor "
+                f"hooks (backward gathers a released bucket again), and torch.func's "
+                f"transforms refuse to run under such hooks ({error}). Inside a stage-3 step, "
+                f"differentiate with torch.autograd.grad(..., create_graph=True) instead of "
+                f"torch.func.grad / vjp / jacrev / hessian (torch.func.vmap and jacfwd run), "
+                f"or train at stage 0-2")
         if not _released_read(error):
             return error
+        if self.phase == "backward":
+            return OutsideOwnerError(
+                f"stage 3: backward read a parameter of a bucket that was released, saved for "
+                f"backward where fzero did not see it: inside forward, a "
+                f"torch.autograd.graph.saved_tensors_hooks context of your own that keeps the "
+                f"tensor itself (the innermost hooks win, so fzero's, which save a parameter as "
+                f"a reference and gather it again, were not called; hooks that copy, such as "
+                f"torch.autograd.graph.save_on_cpu, are fine), or an alias of a parameter "
+                f"(.detach(), .data) kept across modules. Torch's error: {error}")
         reader = self.stack[-1] if self.stack else model
         paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
         prefix = paths.get(id(reader), "")
@@ -734,6 +752,21 @@ def backward_under_guard(loss: Tensor) -> None:
         (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
         accumulate_grad=True,
     )
+
+
+_SAVED_HOOKS_REFUSED = "don't yet support saved tensor hooks"
+"""Part of torch's error when ``torch.func.grad`` (vjp, jacrev, hessian) runs under
+saved-tensor hooks."""
+
+
+def _storage_pointer(tensor: Tensor) -> int | None:
+    """Where `tensor`'s storage starts; None for a tensor without a storage of its own to
+    show (sparse, nested, functorch's batched tensors under ``vmap``, forward-mode dual
+    tensors), which is never a view of a bucket."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _released_read(error: BaseException) -> bool:

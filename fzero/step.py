@@ -944,7 +944,8 @@ class _ReplicatedSession:
         loss = loss_fn(model.__call__, micro)
         _check_loss(loss, self.state)
         _check_unmodified(self.leaves, self.versions, self.state)
-        (loss * factor).backward()
+        with self.completion.backward():
+            (loss * factor).backward()
         displaced = self.bound.displaced()
         if displaced:
             raise ValueError(
@@ -1092,8 +1093,14 @@ class _ShardedSession:
         for index in self.state.trainable:
             if index not in touched:  # never gathered: no leaf of it is in the graph
                 self.completion.force(index)
-        with self.residency.guard(model):
-            backward_under_guard(loss * factor)
+        with self.residency.guard(model), self.completion.backward():
+            try:
+                backward_under_guard(loss * factor)
+            except RuntimeError as error:
+                explained = self.residency.explain(error, model)
+                if explained is error:
+                    raise
+                raise explained from error
         self._end_backward(DONE)
         return loss.detach()
 

@@ -327,3 +327,37 @@ def test_forward_that_freezes_a_parameter_raises_and_the_next_step_is_exact(stag
     for got in fzero.SimWorld(2).run(body):
         for name, value in want.items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
+
+
+def _backward_then_loss(call, x):
+    """Runs backward itself and returns the loss (as a single-process loop would)."""
+    loss = _loss(call, x)
+    loss.backward(retain_graph=True)
+    return loss
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_backward_pass_inside_loss_fn_raises_and_the_next_step_is_exact(stage):
+    """``loss.backward()`` inside loss_fn accumulated gradients in the middle of forward:
+    stages 0-2 raised a message about reentrant checkpointing (the second accumulation), stage
+    3 "a Reducer's order can change only between rounds" (a probe). Every rank raises, naming
+    the first parameter and the fix, before anything moves; the next step is exact."""
+    want = _torch_sgd(Scaled(), 2)
+
+    def body(comm):
+        model = Scaled()
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        before = fzero.full_params(state)
+        with pytest.raises((RuntimeError, fzero.StepError),
+                           match="received a gradient outside the step's backward"):
+            fzero.make_train_step(model, _backward_then_loss)(state, _rows(comm, _batch()))
+        after = fzero.full_params(state)
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        step = fzero.make_train_step(model, _loss)
+        for i in range(2):
+            state, _ = step(state, _rows(comm, _batch(i)))
+        return fzero.full_params(state)
+
+    for got in fzero.SimWorld(2).run(body):
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
