@@ -38,6 +38,7 @@ import copy
 import itertools
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -193,6 +194,19 @@ def _compute(calls: list[_Call]) -> None:
             c.output.copy_(full)
 
 
+def _stop_briefly(threads: list[threading.Thread], seconds: float = 5.0) -> None:
+    """Give interrupted ranks `seconds` to reach a collective, which aborts; warn about any
+    still busy outside one (they stop at their next collective)."""
+    deadline = time.monotonic() + seconds
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    busy = [t.name for t in threads if t.is_alive()]
+    if busy:
+        warnings.warn(f"SimWorld.run was interrupted; {busy} still compute outside any "
+                      f"collective and stop at their next one (their results are discarded)",
+                      RuntimeWarning, stacklevel=3)
+
+
 class _World:
     """State shared by the ranks of one `SimWorld.run`."""
 
@@ -203,11 +217,25 @@ class _World:
         self.slots: dict[tuple[str, int], _Slot] = {}
         self.finished: set[int] = set()
         self.failed_rank: int | None = None
+        self.interrupted = False
+
+    @property
+    def stopped(self) -> bool:
+        """Whether collectives abort: a rank failed, or the caller of `SimWorld.run` was
+        interrupted."""
+        return self.failed_rank is not None or self.interrupted
 
     def fail(self, rank: int) -> None:
         with self.cond:
             if self.failed_rank is None:
                 self.failed_rank = rank
+            self.cond.notify_all()
+
+    def interrupt(self) -> None:
+        """The caller stopped waiting (Ctrl-C in a notebook): every collective aborts, so the
+        ranks stop at their next one instead of training on, unseen, in the background."""
+        with self.cond:
+            self.interrupted = True
             self.cond.notify_all()
 
     def finish(self, rank: int) -> None:
@@ -216,14 +244,14 @@ class _World:
             self.cond.notify_all()
 
     def _aborted(self, rank: int, seq: str, call: _Call) -> _Aborted:
-        return _Aborted(
-            f"{call.kind} #{seq} on rank {rank} aborted: rank {self.failed_rank} failed"
-        )
+        why = (f"rank {self.failed_rank} failed" if self.failed_rank is not None
+               else "SimWorld.run was interrupted in the thread that called it")
+        return _Aborted(f"{call.kind} #{seq} on rank {rank} aborted: {why}")
 
     def collective(self, rank: int, channel: str, number: int, call: _Call) -> None:
         seq = f"{number}" if channel == _MAIN else f"{number} on channel {channel!r}"
         with self.cond:
-            if self.failed_rank is not None:
+            if self.stopped:
                 raise self._aborted(rank, seq, call)
             slot = self.slots.setdefault((channel, number), _Slot(self.n))
             for q, other in enumerate(slot.calls):
@@ -257,7 +285,7 @@ class _World:
         """Wait (holding `cond`) until `slot` completes, the world fails, or time runs out."""
         deadline = time.monotonic() + self.timeout
         while not slot.done:
-            if self.failed_rank is not None:
+            if self.stopped:
                 raise self._aborted(rank, seq, call)
             if slot.arrived < self.n:
                 missing = [q for q, c in enumerate(slot.calls) if c is None]
@@ -325,8 +353,17 @@ class SimComm(CommBase):
     def _submit(self, call: _Call, async_op: bool) -> Work | None:
         with self._issue_lock:
             seq, self._seq = self._seq, self._seq + 1
-            future = self._executor.submit(
-                self._world.collective, self.rank, self._name, seq, call)
+            try:
+                future = self._executor.submit(
+                    self._world.collective, self.rank, self._name, seq, call)
+            except RuntimeError as error:  # the executor was shut down when the run ended
+                raise RuntimeError(
+                    f"{call.describe()} on SimWorld rank {self.rank} after its SimWorld.run "
+                    f"ended: a SimComm, and a state built on it (fzero.init inside the run), "
+                    f"can run collectives only inside the run that made it. Do what needs "
+                    f"them (a step, stage 3's eval or full_params, save) in the rank "
+                    f"function, and return plain tensors (e.g. full_params(state))"
+                ) from error
         if async_op:
             work = _SimWork(future)
             self._async = [w for w in self._async if not w._future.done() or (
@@ -469,9 +506,14 @@ class SimWorld:
         ]
         for t in threads:
             t.start()
-        with world.cond:
-            while len(world.finished) < n and world.failed_rank is None:
-                world.cond.wait()
+        try:
+            with world.cond:
+                while len(world.finished) < n and world.failed_rank is None:
+                    world.cond.wait()
+        except BaseException:  # KeyboardInterrupt: stop the ranks, then let it through
+            world.interrupt()
+            _stop_briefly(threads)
+            raise
         # After a failure, collectives abort at once; a rank busy outside the comm gets a grace.
         grace = time.monotonic() + self.timeout
         for t in threads:

@@ -498,6 +498,48 @@ def test_sim_timeout_names_collective_and_missing_rank() -> None:
     assert "timed out after 1.0 s: rank(s) [1] never joined it" in str(info.value)
 
 
+def test_an_interrupted_run_stops_its_ranks_at_their_next_collective(tmp_path) -> None:
+    """Ctrl-C in a notebook (SIGINT to the thread waiting in `run`) raised KeyboardInterrupt
+    at once, but the rank threads trained on in the background and wrote their checkpoint
+    later, over the one a re-run had saved meanwhile (a probe). The interrupt aborts every
+    collective: each rank stops at its next one, and what follows it never runs."""
+    import signal
+    import threading
+
+    rounds = [0, 0]
+    done = tmp_path / "written after the loop"
+
+    def body(comm: Any) -> None:
+        x = torch.ones(4)
+        for _ in range(100_000):
+            comm.all_reduce(x)
+            rounds[comm.rank] += 1
+            time.sleep(0.001)
+        done.write_text("the ranks were not stopped")
+
+    main = threading.get_ident()
+    timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            SimWorld(2).run(body)
+    finally:
+        timer.cancel()
+    stopped = list(rounds)
+    time.sleep(0.3)
+    assert rounds == stopped and 0 < min(rounds)
+    assert not done.exists()
+    assert not [t for t in threading.enumerate() if t.name.startswith("simworld-rank")]
+
+
+def test_a_collective_after_the_run_ended_says_so() -> None:
+    """A SimComm (or a state built on it) used after its run returned failed with
+    "cannot schedule new futures after shutdown" (a probe): the error names the case."""
+    comm = SimWorld(1).run(lambda comm: comm)[0]
+    with pytest.raises(Exception, match="after its SimWorld.run ended"):
+        comm.all_reduce(torch.ones(2))
+
+
 def test_sim_unwaited_async_failure_is_reported() -> None:
     def body(comm: Any) -> None:
         x = torch.zeros(2)
