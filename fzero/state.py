@@ -134,13 +134,16 @@ class Lease:
     new tensors for all of them (``tree_map(torch.clone, state)``) is a live state of its own.
     """
 
-    __slots__ = ("consumed_by",)
+    __slots__ = ("consumed_by", "updating")
 
     def __init__(self) -> None:
         self.consumed_by: int | None = None  # the step number that consumed the state
+        # From the first in-place write of that step's update until it returned: left True,
+        # the step was interrupted there (Ctrl-C), and the tensors hold part of an update.
+        self.updating = False
 
     def __repr__(self) -> str:
-        return f"Lease(consumed_by={self.consumed_by})"
+        return f"Lease(consumed_by={self.consumed_by}, updating={self.updating})"
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,14 @@ def check_live(state: Any, what: str) -> None:
     if not isinstance(state, ShardState):
         raise TypeError(f"{what} needs a ShardState (from fzero.init), got {type(state).__name__}")
     consumed = state.lease.consumed_by
+    if consumed is not None and state.lease.updating:
+        raise ValueError(
+            f"{what}: train step {consumed} was interrupted (e.g. by Ctrl-C) while it updated "
+            f"this state's tensors in place, before it returned the new state: they hold part "
+            f"of that update, so neither the state before the step nor the one after. Go on "
+            f"from a checkpoint, or from a copy kept before the step with "
+            f"fzero.clone_state(state)"
+        )
     if consumed is not None:
         raise ValueError(
             f"{what}: this state was consumed by train step {consumed}, which updated its "

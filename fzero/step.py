@@ -331,6 +331,9 @@ def make_train_step(
         param_steps = state.param_steps
         used = _used_globally(stats.used, run.used)
         if finite:
+            # From the first write on, the input state is neither before nor after the step
+            # (an interrupt here must not leave it live: a re-run would apply the batch twice).
+            state.lease.consumed_by, state.lease.updating = next_step, True
             if side is not None:
                 side.before("optimizer")
             _clip(grads, grad_norm, clip_norm)
@@ -348,7 +351,7 @@ def make_train_step(
             skipped=0 if finite else state.skipped + 1,
             lease=Lease(),
         )
-        state.lease.consumed_by = next_step
+        state.lease.consumed_by, state.lease.updating = next_step, False
         world = comm.world_size
         by_kind = _counts(comm, before)
         metrics = {

@@ -300,3 +300,48 @@ def test_weights_loaded_through_data_after_init_raise_also_when_a_clone_trains(s
             step(state, gb.mse_batches(1, rows=2)[0])
 
     fzero.SimWorld(2).run(body, gb.MLP64())
+
+
+def _interrupted_in_the_update(comm, model, data, stage, monkeypatch_publish) -> dict:
+    """One step, then a second interrupted (KeyboardInterrupt) between its optimizer update
+    and its return; what the input state of that second step does then."""
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.adamw(lr=1e-2), comm=comm)
+    step = fzero.make_train_step(model, gb.mse_loss)
+    state, _ = step(state, gb.rank_rows(data[0], comm.rank, comm.world_size))
+    monkeypatch_publish()
+    try:
+        step(state, gb.rank_rows(data[1], comm.rank, comm.world_size))
+    except KeyboardInterrupt:
+        pass
+    errors = {}
+    for what, use in (("step", lambda: step(state, data[1])),
+                      ("full_params", lambda: fzero.full_params(state))):
+        try:
+            use()
+        except ValueError as error:
+            errors[what] = str(error)
+    return errors
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_step_interrupted_after_its_update_leaves_no_live_state(stage, monkeypatch) -> None:
+    """Ctrl-C between the optimizer update (in place) and the step's return left the input
+    state live, with its old step number: re-running the loop from that batch applied it
+    twice, silently (a probe, in a one-rank notebook world). The state is consumed from the
+    update's first write on, and using it says the step was interrupted."""
+    import fzero.step as step_module
+
+    publish = step_module._publish
+
+    def interrupt_once() -> None:
+        def interrupted(*args, **kwargs):
+            monkeypatch.setattr(step_module, "_publish", publish)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(step_module, "_publish", interrupted)
+
+    errors = fzero.SimWorld(1).run(_interrupted_in_the_update, gb.MLP64(), gb.mse_batches(2),
+                                   stage, interrupt_once)[0]
+    assert sorted(errors) == ["full_params", "step"]
+    for message in errors.values():
+        assert "train step 2 was interrupted" in message and "clone_state" in message
