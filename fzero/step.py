@@ -266,29 +266,31 @@ def make_train_step(
         agreed: dict[str, str] = {}  # the settings, part by part
         release: Callable[[], None] | None = None
         named: dict[str, Tensor] = {}  # the module's parameters, by name
-        try:  # checks that may fail on one rank only: reported to all through the header
-            check_live(state, "step")
-            _check_grad_mode()
-            release = claim(model, "step")
-            named = _check_model(model, state, requires_grad=state.config.requires_grad,
-                                 train=True)
-            if not state.trainable:
-                raise ValueError("step: the state has no trainable parameter (every parameter "
-                                 "is frozen): there is nothing to train; use make_eval_step")
-            micro_batches = split_batch(batch, accum_steps)
-            if _rows(micro_batches) == 0:
-                raise ValueError("step: the batch has no rows (every tensor's dim 0 is 0): a "
-                                 "mean over no rows is undefined")
-            # The step's (global, 1-based) number decides the rate, also for a parameter
-            # whose own update count lags (unused in earlier steps): that count is only for
-            # its moments' bias correction.
-            applied = _schedule_lr(lr, state.step + 1)
-            if applied is None:  # the optimizer's own rate or schedule
-                applied = _schedule_lr(state.config.optimizer.lr, state.step + 1)
-            agreed = settings(state)
-        except (TypeError, ValueError) as exc:
-            problem = exc
-        try:  # (tensors made under inference mode could not be trained with afterwards)
+        try:  # the module is released whatever happens, an interrupt included
+            try:  # checks that may fail on one rank only: reported to all through the header
+                check_live(state, "step")
+                _check_grad_mode()
+                release = claim(model, "step")
+                named = _check_model(model, state, requires_grad=state.config.requires_grad,
+                                     train=True)
+                if not state.trainable:
+                    raise ValueError("step: the state has no trainable parameter (every "
+                                     "parameter is frozen): there is nothing to train; use "
+                                     "make_eval_step")
+                micro_batches = split_batch(batch, accum_steps)
+                if _rows(micro_batches) == 0:
+                    raise ValueError("step: the batch has no rows (every tensor's dim 0 is "
+                                     "0): a mean over no rows is undefined")
+                # The step's (global, 1-based) number decides the rate, also for a parameter
+                # whose own update count lags (unused in earlier steps): that count is only
+                # for its moments' bias correction.
+                applied = _schedule_lr(lr, state.step + 1)
+                if applied is None:  # the optimizer's own rate or schedule
+                    applied = _schedule_lr(state.config.optimizer.lr, state.step + 1)
+                agreed = settings(state)  # (calls the user's decay rule: any error)
+            except Exception as exc:
+                problem = exc
+            # (tensors made under inference mode could not be trained with afterwards)
             with (torch.inference_mode(False), state.config.comm.scope(
                     f"train step {state.step + 1}")):
                 return _train(state, micro_batches, problem, applied, agreed, named)
@@ -409,7 +411,7 @@ def make_eval_step(
                 check_live(state, "evaluate")
                 release = claim(model, "evaluate")
                 named = _check_model(model, state)
-            except (TypeError, ValueError) as exc:
+            except Exception as exc:
                 if state.stage < 3:  # local: no collective, so checks raise here
                     raise
                 problem = exc

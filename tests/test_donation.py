@@ -345,3 +345,30 @@ def test_a_step_interrupted_after_its_update_leaves_no_live_state(stage, monkeyp
     assert sorted(errors) == ["full_params", "step"]
     for message in errors.values():
         assert "train step 2 was interrupted" in message and "clone_state" in message
+
+
+def _buggy_decay(name: str, shape: tuple[int, ...]) -> bool:
+    return {"0.weight": True}[name]  # a user's bug: KeyError for every other name
+
+
+def _step_after_a_failed_check(comm, model, data) -> list[str]:
+    state = fzero.init(model, stage=1, optimizer=fzero.optim.adamw(lr=1e-2), comm=comm)
+    rows = gb.rank_rows(data[0], comm.rank, comm.world_size)
+    outcomes = []
+    try:
+        fzero.make_train_step(model, gb.mse_loss, decay=_buggy_decay)(state, rows)
+    except Exception as error:  # noqa: BLE001
+        outcomes.append(type(error).__name__)
+    state, _ = fzero.make_train_step(model, gb.mse_loss, decay=fzero.decay_matrices)(state, rows)
+    fzero.make_eval_step(model, lambda call, batch: call(batch[0]))(state, rows)
+    return outcomes
+
+
+def test_an_error_of_any_kind_in_a_steps_checks_leaves_the_module_free() -> None:
+    """A decay rule raising KeyError (anything but TypeError or ValueError) in a step's checks
+    left the module marked as running for ever: every later step or eval on it, from new step
+    functions too, raised "already running in this thread" (a probe; a Ctrl-C there too). The
+    error reaches every rank, and the module is free for the next step."""
+    outs = fzero.SimWorld(2).run(_step_after_a_failed_check, gb.MLP64(), gb.mse_batches(1))
+    assert all(out in (["KeyError"], ["StepError"]) for out in outs), outs
+    assert ["KeyError"] in outs
