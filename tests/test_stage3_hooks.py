@@ -361,8 +361,8 @@ def test_the_guard_sees_the_users_calls_not_fzeros(monkeypatch: pytest.MonkeyPat
 class Transformed(nn.Module):
     """Three 5 -> 5 layers; the middle one is applied through a torch transform or a tensor
     kind stage 3's hooks must let pass: ``vmap`` over an ensemble of its weights, a sparse
-    adjacency (``torch.sparse.mm``), forward-mode AD (``jacfwd``), ``torch.func.grad``, or
-    saved-tensor hooks of the user's own."""
+    adjacency (``torch.sparse.mm``), forward-mode AD (``jacfwd``), ``torch.func.grad``, an
+    ``inference_mode`` region, or saved-tensor hooks of the user's own."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -387,6 +387,10 @@ class Transformed(nn.Module):
             x = x + torch.func.jacfwd(lambda v: torch.tanh(v @ w.t()))(x[0]).sum(0)
         elif self.how == "func.grad":
             x = x + torch.func.grad(lambda v: torch.tanh(v @ w.t()).sum())(x)
+        elif self.how == "inference_mode":  # the bucket's first reader: a statistic
+            with torch.inference_mode():
+                scale = float(torch.tanh(self.b(x)).abs().mean())
+            x = self.b(x) * scale
         elif self.how == "own saved hooks":
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 x = self.b(x)
@@ -395,11 +399,14 @@ class Transformed(nn.Module):
 
 # torch.func's jacfwd reaches torch.jit.script inside torch (deprecated there, not here)
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
-@pytest.mark.parametrize("how, world", [("vmap", 2), ("sparse", 2), ("jacfwd", 1)])
+@pytest.mark.parametrize("how, world", [("vmap", 2), ("sparse", 2), ("jacfwd", 1),
+                                        ("inference_mode", 2)])
 def test_transforms_and_sparse_tensors_in_forward_train_like_torch_at_stage_3(how, world):
     """Stage 3's guard and saved-tensor hook asked every tensor for its storage: under
     ``vmap`` (a batched tensor), with a sparse tensor saved for backward, or a forward-mode
     dual tensor, torch raised "Cannot access storage" (a probe): none is a bucket's view.
+    A bucket gathered first inside ``torch.inference_mode()`` failed under SimWorld only (its
+    threads wrote an inference tensor outside the mode; gloo writes it from C++).
     (Forward-mode AD levels are global to the process, not per thread: two SimWorld ranks
     running ``jacfwd`` at once break each other, in torch itself, so that case runs one.)"""
     data = square(2)  # each rank's rows are a graph of their own: the reference's world too
