@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fzero.buckets import holds_completion_hooks
 from fzero.layout import ShardLayout
 
 __all__ = ["Binder", "GradientWatch", "ModuleVersions", "buffer_aliases", "buffers_fingerprint",
@@ -222,6 +223,16 @@ def check_structure(
     if train:
         hooked = sorted(name for name, t in named.items() if t.requires_grad and (
             t._backward_hooks or t._post_accumulate_grad_hooks))  # (a frozen one's never fire)
+        bound = [name for name in hooked if holds_completion_hooks(named[name])]
+        if bound:
+            raise ValueError(
+                f"the module holds, in place of its parameters {bound[:5]}, the tensors a "
+                f"step binds there: a step on it was interrupted (e.g. by Ctrl-C) while it "
+                f"bound or unbound them (torch's functional_call undoes a partial swap on an "
+                f"error, not on an interrupt), and the module's own parameter objects are "
+                f"gone. Build the module again (model = ...) and a step for it; the state "
+                f"itself holds every value and is not affected"
+            )
         if hooked:
             raise ValueError(
                 f"parameters {hooked[:5]} carry gradient hooks (Tensor.register_hook or "

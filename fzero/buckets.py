@@ -40,7 +40,8 @@ from fzero.comm import Comm
 from fzero.flat import shard_view
 from fzero.layout import ShardLayout
 
-__all__ = ["Completion", "Reducer", "LATE_GRADIENT_HELP", "OUTSIDE_BACKWARD_HELP"]
+__all__ = ["Completion", "Reducer", "LATE_GRADIENT_HELP", "OUTSIDE_BACKWARD_HELP",
+           "holds_completion_hooks"]
 
 LATE_GRADIENT_HELP = (
     "parameter {name!r} accumulated a gradient after its bucket {label!r} was already being "
@@ -59,6 +60,13 @@ OUTSIDE_BACKWARD_HELP = (
     "several losses, their sum). torch.autograd.grad (a gradient penalty with "
     "create_graph=True) accumulates nothing into parameters and is fine."
 )
+
+
+def holds_completion_hooks(tensor: Tensor) -> bool:
+    """Whether `tensor` is a leaf a step binds in a parameter's place (it carries `Completion`'s
+    hooks): found in a module outside a step, a step on it was interrupted while binding."""
+    return any(getattr(hook, "completes_a_bucket", False)
+               for hook in tensor._post_accumulate_grad_hooks.values())
 
 
 class Completion:
@@ -108,6 +116,7 @@ class Completion:
                 self.completed[index] = True
                 self.on_complete(index)
 
+        on_ready.completes_a_bucket = True  # type: ignore[attr-defined]  # see below
         return on_ready
 
     @contextlib.contextmanager

@@ -361,3 +361,39 @@ def test_a_backward_pass_inside_loss_fn_raises_and_the_next_step_is_exact(stage)
     for got in fzero.SimWorld(2).run(body):
         for name, value in want.items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_module_left_holding_bound_tensors_by_an_interrupt_says_so(stage, monkeypatch):
+    """Ctrl-C inside functional_call's swap (torch undoes a partial swap on an Exception, not
+    on KeyboardInterrupt) left the step's leaves in the module: every later step raised that
+    its parameters "carry gradient hooks", which the user never registered (a probe). The
+    error says what happened and what to do; a new module trains on the same state."""
+    from torch.nn.utils import _named_member_accessor as accessor
+
+    swap, calls = accessor.swap_tensor, [0]
+
+    def interrupted_swap(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:  # one parameter swapped in, then the interrupt
+            raise KeyboardInterrupt
+        return swap(*args, **kwargs)
+
+    def body(comm):
+        model = Scaled()
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        step = fzero.make_train_step(model, _loss)
+        state, _ = step(state, _batch())
+        monkeypatch.setattr(accessor, "swap_tensor", interrupted_swap)
+        with pytest.raises(KeyboardInterrupt):
+            step(state, _batch(1))
+        monkeypatch.setattr(accessor, "swap_tensor", swap)
+        with pytest.raises(ValueError, match="a step on it was interrupted"):
+            step(state, _batch(1))
+        fresh = Scaled()
+        state, _ = fzero.make_train_step(fresh, _loss)(state, _batch(1))
+        return fzero.full_params(state)
+
+    got = fzero.SimWorld(1).run(body)[0]
+    for name, value in _torch_sgd(Scaled(), 2).items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
