@@ -66,7 +66,7 @@ def holds_completion_hooks(tensor: Tensor) -> bool:
     """Whether `tensor` is a leaf a step binds in a parameter's place (it carries `Completion`'s
     hooks): found in a module outside a step, a step on it was interrupted while binding."""
     return any(getattr(hook, "completes_a_bucket", False)
-               for hook in tensor._post_accumulate_grad_hooks.values())
+               for hook in (tensor._post_accumulate_grad_hooks or {}).values())
 
 
 class Completion:

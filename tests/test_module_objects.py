@@ -251,21 +251,30 @@ def test_forward_that_gives_a_parameter_new_data_raises_and_the_next_step_is_exa
     the first step's values (a probe; Hugging Face's SwitchTransformers router in bfloat16
     never trained at stages 0-1). Every rank raises before the update, and a step after it
     (the forward fixed) trains exactly, on tensors bound afresh."""
-    reference = Renormed()
-    want = _torch_sgd(reference, 2)
+    _raises_then_trains_exactly(Renormed, stage, r"replaced the data of parameters \['lin.weight'",
+                                switch="mode", bad=mode, fixed="to-own-dtype")
+
+
+def _raises_then_trains_exactly(build, stage: int, match: str, *, switch: str = "",
+                                bad: str = "", fixed: str = "", failing_loss=_loss) -> None:
+    """On 2 ranks, a step with `failing_loss` on a `build()` model whose attribute `switch`
+    (if any) is `bad` raises (`match`) before the update, the state unchanged; with `switch`
+    set to `fixed`, two steps train exactly as torch's SGD on the same model."""
+    want = _torch_sgd(build(), 2)
 
     def body(comm):
-        model = Renormed()
+        model = build()
         state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
         before = fzero.full_params(state)
-        step = fzero.make_train_step(model, _loss)
-        model.mode = mode
-        with pytest.raises((ValueError, fzero.StepError), match=r"replaced the data of "
-                                                                r"parameters \['lin.weight'"):
-            step(state, _rows(comm, _batch()))
+        if switch:
+            setattr(model, switch, bad)
+        with pytest.raises((ValueError, RuntimeError, fzero.StepError), match=match):
+            fzero.make_train_step(model, failing_loss)(state, _rows(comm, _batch()))
         after = fzero.full_params(state)
         assert all(torch.equal(before[n], after[n]) for n in before)
-        model.mode = "to-own-dtype"
+        if switch:
+            setattr(model, switch, fixed)
+        step = fzero.make_train_step(model, _loss)
         for i in range(2):
             state, _ = step(state, _rows(comm, _batch(i)))
         return fzero.full_params(state)
@@ -306,27 +315,9 @@ def test_forward_that_freezes_a_parameter_raises_and_the_next_step_is_exact(stag
     (silently 8e-3 off torch, a probe); frozen before its use, the cached bound tensor stayed
     frozen until the next rebuild (a clone, a load) unfroze it. Every rank raises before the
     update, and a step after it (the forward fixed) trains exactly, on tensors bound afresh."""
-    want = _torch_sgd(Freezing(), 2)
-
-    def body(comm):
-        model = Freezing()
-        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
-        before = fzero.full_params(state)
-        step = fzero.make_train_step(model, _loss)
-        model.freeze = when
-        with pytest.raises((ValueError, fzero.StepError),
-                           match=r"changed requires_grad of parameters \['a.weight'\]"):
-            step(state, _rows(comm, _batch()))
-        after = fzero.full_params(state)
-        assert all(torch.equal(before[n], after[n]) for n in before)
-        model.freeze = "never"
-        for i in range(2):
-            state, _ = step(state, _rows(comm, _batch(i)))
-        return fzero.full_params(state)
-
-    for got in fzero.SimWorld(2).run(body):
-        for name, value in want.items():
-            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
+    _raises_then_trains_exactly(Freezing, stage,
+                                r"changed requires_grad of parameters \['a.weight'\]",
+                                switch="freeze", bad=when, fixed="never")
 
 
 def _backward_then_loss(call, x):
@@ -342,25 +333,8 @@ def test_a_backward_pass_inside_loss_fn_raises_and_the_next_step_is_exact(stage)
     stages 0-2 raised a message about reentrant checkpointing (the second accumulation), stage
     3 "a Reducer's order can change only between rounds" (a probe). Every rank raises, naming
     the first parameter and the fix, before anything moves; the next step is exact."""
-    want = _torch_sgd(Scaled(), 2)
-
-    def body(comm):
-        model = Scaled()
-        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
-        before = fzero.full_params(state)
-        with pytest.raises((RuntimeError, fzero.StepError),
-                           match="received a gradient outside the step's backward"):
-            fzero.make_train_step(model, _backward_then_loss)(state, _rows(comm, _batch()))
-        after = fzero.full_params(state)
-        assert all(torch.equal(before[n], after[n]) for n in before)
-        step = fzero.make_train_step(model, _loss)
-        for i in range(2):
-            state, _ = step(state, _rows(comm, _batch(i)))
-        return fzero.full_params(state)
-
-    for got in fzero.SimWorld(2).run(body):
-        for name, value in want.items():
-            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
+    _raises_then_trains_exactly(Scaled, stage, "received a gradient outside the step's backward",
+                                failing_loss=_backward_then_loss)
 
 
 @pytest.mark.parametrize("stage", STAGES)
