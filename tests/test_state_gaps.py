@@ -1,0 +1,184 @@
+"""Behaviours no test pinned until a mutation probe of fzero/residency.py, fzero/state.py and
+fzero/buckets.py changed one line at a time and the relevant tests still passed: each test
+here fails on its mutant (named in brackets) and passes on fzero."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+import fzero
+
+import guarantee_bodies as gb
+from models import seeded
+
+
+class OwnsAndEnclosesStage3(nn.Module):
+    """A root that owns a parameter (``scale``, its bucket needed first) and runs three children
+    before reading it; `seen` records whether ``scale``'s bucket was still gathered then."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        with seeded(seed):
+            self.scale = nn.Parameter(torch.rand(5) + 0.5)
+            self.a = nn.Linear(5, 5)
+            self.b = nn.Linear(5, 5)
+            self.c = nn.Linear(5, 5)
+        self.double()
+        self.seen: list[bool] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.c(torch.tanh(self.b(torch.tanh(self.a(x * 1.0)))))
+        # untyped_storage() reads metadata only: it gathers nothing (residency._METADATA)
+        self.seen.append(self.scale.untyped_storage().nbytes() > 0)
+        return h * self.scale
+
+
+def _enclosing_body(comm, model, batches):
+    buckets = [["scale"], ["a.weight", "a.bias"], ["b.weight", "b.bias"],
+               ["c.weight", "c.bias"]]
+    out = gb.train(comm, model, gb.mse_loss, batches, stage=3, buckets=buckets)
+    return {**out, "seen": list(model.seen)}
+
+
+def test_stage3_keeps_an_enclosing_modules_own_bucket_while_its_children_run() -> None:
+    """[R19: _evict ignores `active`] The module note: at most 1 + prefetch buckets are
+    gathered, "plus those of enclosing modules still running (which own parameters
+    themselves)". Evicting the root's bucket while its children run still trains like torch
+    (the guard gathers it again when read) but gathers it twice per forward."""
+    model = OwnsAndEnclosesStage3()
+    data = gb.mse_batches(3, d_out=5, d_in=5)
+    want = gb.reference(model, gb.mse_loss, data)
+    for out in fzero.SimWorld(2).run(_enclosing_body, model, data):
+        gb.assert_parity(out, want)
+        assert out["seen"] and all(out["seen"]), out["seen"]
+
+
+def _init_body(comm, model, kwargs):
+    try:
+        fzero.init(model, optimizer=fzero.optim.adamw(lr=1e-3), comm=comm, **kwargs)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_reduce_dtype_float16_needs_a_trainable_float16_parameter() -> None:
+    """[S03: check_reduce_dtype counts frozen buckets] Only trainable float16 parameters get a
+    loss scale: a frozen float16 parameter beside trainable float32 ones must not make
+    reduce_dtype=torch.float16 acceptable (the float32 gradients would reduce in float16
+    unscaled, small ones to zero, silently)."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).half())
+    model[1].requires_grad_(False)
+    (message,) = fzero.SimWorld(1).run(_init_body, model,
+                                       {"stage": 2, "reduce_dtype": torch.float16})
+    assert message is not None and "reduce_dtype=torch.float16 needs float16" in message
+
+
+def _state_body(comm, model, kwargs):
+    state = fzero.init(model, optimizer=fzero.optim.adamw(lr=1e-3), comm=comm, **kwargs)
+    return {"master_dtype": state.config.master_dtype,
+            "buffers": {n: (b.dtype, b.clone()) for n, b in state.buffers.items()},
+            "params": {n: p.clone() for n, p in fzero.full_params(state).items()},
+            "loss_scale": state.loss_scale}
+
+
+def test_param_dtype_casts_floating_buffers_at_init() -> None:
+    """[S11: init skips the buffer cast] param_dtype casts floating buffers as
+    ``model.to(param_dtype)`` would (integer ones stay)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    (out,) = fzero.SimWorld(1).run(_state_body, model,
+                                   {"stage": 1, "param_dtype": torch.bfloat16})
+    dtypes = {n: d for n, (d, _) in out["buffers"].items()}
+    assert dtypes == {"1.running_mean": torch.bfloat16, "1.running_var": torch.bfloat16,
+                      "1.num_batches_tracked": torch.int64}
+
+
+def test_a_frozen_float64_parameter_does_not_widen_the_master_dtype() -> None:
+    """[S20: _default_master_dtype counts frozen buckets] The default master dtype follows the
+    *trainable* parameters: a frozen float64 one beside float32 trainable ones keeps float32
+    (a float64 master would double the optimizer's memory)."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).double())
+    model[1].requires_grad_(False)
+    outs = fzero.SimWorld(2).run(_state_body, model, {"stage": 2})
+    assert [out["master_dtype"] for out in outs] == [torch.float32, torch.float32]
+
+
+class _EmptyIntBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.register_buffer("ids", torch.zeros(0, dtype=torch.int64))
+
+
+def _init_fn(module: nn.Module) -> None:
+    for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+        if tensor.is_floating_point():
+            tensor.fill_(0.25)
+
+
+def test_init_fn_need_not_write_an_empty_integer_buffer() -> None:
+    """[S18: _unwritten without its empty check] An empty tensor holds no fill: an empty
+    integer buffer (``(x == fill).all()`` is True for no elements) is not 'left
+    uninitialized' by init_fn."""
+    with torch.device("meta"):
+        model = _EmptyIntBuffer()
+    (out,) = fzero.SimWorld(1).run(_state_body, model, {"stage": 1, "init_fn": _init_fn})
+    assert out["buffers"]["ids"][0] == torch.int64 and out["buffers"]["ids"][1].numel() == 0
+    assert all(bool((p == 0.25).all()) for p in out["params"].values())
+
+
+
+def _write_buffer_after_init(comm, model, batches):
+    state = fzero.init(model, stage=1, optimizer=fzero.optim.adamw(lr=1e-3), comm=comm)
+    model.bn.running_mean.add_(1.0)  # the module's buffer, after init
+    step = fzero.make_train_step(model, gb.mse_loss)
+    try:
+        step(state, gb.rank_rows(batches[0], comm.rank, comm.world_size))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_init_copies_the_modules_buffers() -> None:
+    """[S16: init keeps the module's own buffer tensors] The state's buffers are copies: a
+    write into the module's buffer after init is not the state's (the step raises, naming it,
+    as it does for parameters), and does not silently land in the state."""
+    model = gb.BatchNormNet()
+    data = gb.mse_batches(1, d_in=5, d_out=3)
+    for message in fzero.SimWorld(2).run(_write_buffer_after_init, model, data):
+        assert message is not None and "bn.running_mean" in message, message
+
+
+def test_a_frozen_float16_parameter_gets_no_loss_scale() -> None:
+    """[S14: init's loss scale counts frozen buckets] Only trainable float16 parameters need a
+    loss scale; frozen float16 ones beside float32 trainable ones must not scale the loss."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).half())
+    model[1].requires_grad_(False)
+    outs = fzero.SimWorld(2).run(_state_body, model, {"stage": 3})
+    assert [out["loss_scale"] for out in outs] == [None, None]
+
+
+def _frozen_but_embeddings(model: nn.Module) -> nn.Module:
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith("blocks."))
+    return model
+
+
+def test_stage3_recomputation_of_frozen_blocks_keeps_the_gathered_bound() -> None:
+    """[R28: a frozen bucket's pin never ends] Recomputation pins the buckets it gathers; a
+    frozen bucket gets no gradient, so its pin ends when the gradients of the module's inputs
+    are complete (a multi-grad hook). Without that, every frozen block recomputed stays
+    gathered to the end of backward: the whole model, not one block."""
+    n_layer, prefetch = 4, 1
+    model = _frozen_but_embeddings(gb.CheckpointedGPT(mode="nonreentrant",
+                                                      n_layer=n_layer).double())
+    out = fzero.SimWorld(2).run(gb.train, model, gb.gpt_loss, gb.gpt_batches(2), stage=3,
+                                buckets=200)[0]
+    gb.assert_parity(out, gb.reference(model, gb.gpt_loss, gb.gpt_batches(2)))
+    layout = out["layout"]
+    sizes = sorted((b.padded_numel * 8 for b in layout.buckets), reverse=True)
+    block = sum(b.padded_numel * 8 for b in layout.buckets
+                if any(name.startswith("blocks.1.") for name in b.names))
+    for m in out["metrics"]:
+        assert m["gathered_bytes_peak"] <= block + sum(sizes[: prefetch + 1]), (
+            m["gathered_bytes_peak"], block, sizes[:2])
