@@ -41,7 +41,7 @@ from fzero.flat import shard_view
 from fzero.layout import ShardLayout
 
 __all__ = ["Completion", "Reducer", "LATE_GRADIENT_HELP", "OUTSIDE_BACKWARD_HELP",
-           "holds_completion_hooks"]
+           "OUTSIDE_STEP_HELP", "holds_completion_hooks"]
 
 LATE_GRADIENT_HELP = (
     "parameter {name!r} accumulated a gradient after its bucket {label!r} was already being "
@@ -67,6 +67,12 @@ def holds_completion_hooks(tensor: Tensor) -> bool:
     hooks): found in a module outside a step, a step on it was interrupted while binding."""
     return any(getattr(hook, "completes_a_bucket", False)
                for hook in (tensor._post_accumulate_grad_hooks or {}).values())
+
+OUTSIDE_STEP_HELP = (
+    "a backward pass outside a train step reached parameter {name!r}: fzero computes "
+    "gradients inside step(state, batch) only (a graph kept from a step's forward cannot be "
+    "backpropagated later; its gradients would be lost)"
+)
 
 
 class Completion:
@@ -101,8 +107,10 @@ class Completion:
     def _hook(self, index: int, position: int) -> Callable[[Tensor], None]:
         def on_ready(_: Tensor) -> None:
             if not self.in_backward:
-                raise RuntimeError(OUTSIDE_BACKWARD_HELP.format(
-                    name=self.layout.buckets[index].entries[position].name))
+                name = self.layout.buckets[index].entries[position].name
+                if self.on_complete is _stopped:
+                    raise RuntimeError(OUTSIDE_STEP_HELP.format(name=name))
+                raise RuntimeError(OUTSIDE_BACKWARD_HELP.format(name=name))
             self.used[index][position] = True
             if self.completed[index]:
                 bucket = self.layout.buckets[index]
@@ -153,9 +161,9 @@ class Completion:
     def stop(self) -> None:
         """Keep the hooks but drop `on_complete` (often a method of the owner, which holds this:
         a reference cycle only the garbage collector would free, every step); a bucket that
-        completes before `restart` (a backward pass outside a step) raises."""
+        gets a gradient before `restart` (a backward pass outside a step) raises."""
         self.armed = True
-        self.on_complete = _closed
+        self.on_complete = _stopped
 
     def close(self) -> None:
         """Remove the hooks, and `stop`."""
@@ -165,11 +173,8 @@ class Completion:
         self.stop()
 
 
-def _closed(index: int) -> None:
-    raise RuntimeError(
-        f"a backward pass outside a train step reached every parameter of bucket {index}: "
-        f"fzero computes gradients inside step(state, batch) only (a graph kept from a step's "
-        f"forward cannot be backpropagated later; its gradients would be lost)")
+def _stopped(index: int) -> None:
+    """`on_complete` between steps: never called (a gradient arriving then raises first)."""
 
 
 class Reducer:

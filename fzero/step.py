@@ -711,9 +711,14 @@ def _written_through_data(state: ShardState, written: Sequence[int]) -> ValueErr
 def _written_apart_from_master(state: ShardState) -> list[int]:
     """Stages 0-2: the trainable buckets whose parameters differ, in this rank's part, from
     their master copy cast to the parameters' dtype. The parameters are that cast after every
-    update (and after `init` and `load`), so a difference is a write through ``.data`` (which
-    no version counter shows), and the update would drop it. A read of the rank's part of
-    each bucket with a separate master copy, one device-to-host copy for all of them."""
+    update, so a difference is a write through ``.data`` (which no version counter shows),
+    and the update would drop it. A read of the rank's part of each bucket with a separate
+    master copy, one device-to-host copy for all of them. Not before the first update:
+    `init` casts both from the module's values, and a float64 module's values cast to float32
+    and then to bfloat16 may differ from the same values cast to bfloat16 (or float32 ones
+    from their float16 master), so a state at step 0 is not checked."""
+    if state.step == 0:
+        return []
     differs: list[tuple[int, Tensor]] = []
     for index, bucket in enumerate(state.layout.buckets):
         master, params = state.master[index], state.params[index]
@@ -1652,12 +1657,18 @@ def _schedule_lr(lr: float | Schedule | None, step: int) -> float | None:
     """The learning rate `lr` gives step `step` (None: none given).
 
     Raises:
-        ValueError: the schedule raised, or gave something that is not a number.
+        ValueError: the schedule raised, or gave something that is not a number, or a number
+            that is not finite and >= 0 (checked here, among the step's checks: the
+            optimizer would refuse it only once the step has begun its update).
     """
     if lr is None:
         return None
     try:
-        return float(lr(step)) if callable(lr) else float(lr)
+        value = float(lr(step)) if callable(lr) else float(lr)
     except Exception as exc:  # on this rank only, maybe: the step header reports it to all
         raise ValueError(f"the learning rate for step {step} could not be computed: "
                          f"{type(exc).__name__}: {exc}") from exc
+    if not (math.isfinite(value) and value >= 0.0):
+        where = f" (the schedule's value for step {step})" if callable(lr) else ""
+        raise ValueError(f"lr must be a finite number >= 0.0, got lr={value!r}{where}")
+    return value

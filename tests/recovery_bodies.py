@@ -61,7 +61,7 @@ def arm(point: str) -> None:
 
         saving.write_file = write_file
     elif point == "publish":
-        saving._fsync_dir = lambda path: die()  # right after the manifest, before the rename
+        saving.fsync_dir = lambda path: die()  # right after the manifest, before the rename
     elif point == "replace":
         real_rename = os.rename
 
