@@ -61,18 +61,18 @@ OUTSIDE_BACKWARD_HELP = (
     "create_graph=True) accumulates nothing into parameters and is fine."
 )
 
+OUTSIDE_STEP_HELP = (
+    "a backward pass outside a train step reached parameter {name!r}: fzero computes "
+    "gradients inside step(state, batch) only (a graph kept from a step's forward cannot be "
+    "backpropagated later; its gradients would be lost)"
+)
+
 
 def holds_completion_hooks(tensor: Tensor) -> bool:
     """Whether `tensor` is a leaf a step binds in a parameter's place (it carries `Completion`'s
     hooks): found in a module outside a step, a step on it was interrupted while binding."""
     return any(getattr(hook, "completes_a_bucket", False)
                for hook in (tensor._post_accumulate_grad_hooks or {}).values())
-
-OUTSIDE_STEP_HELP = (
-    "a backward pass outside a train step reached parameter {name!r}: fzero computes "
-    "gradients inside step(state, batch) only (a graph kept from a step's forward cannot be "
-    "backpropagated later; its gradients would be lost)"
-)
 
 
 class Completion:
@@ -124,7 +124,7 @@ class Completion:
                 self.completed[index] = True
                 self.on_complete(index)
 
-        on_ready.completes_a_bucket = True  # type: ignore[attr-defined]  # see below
+        on_ready.completes_a_bucket = True  # type: ignore[attr-defined]  # holds_completion_hooks
         return on_ready
 
     @contextlib.contextmanager
