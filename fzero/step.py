@@ -652,7 +652,8 @@ def _lost_to_the_state(
     if replaced:
         return ValueError(
             f"forward replaced the data of parameters {list(replaced[:5])} (`p.data = ...`, or "
-            f"`module.to(dtype)` / `.float()` inside forward, which does that): the tensor "
+            f"`module.to(dtype)` / `.float()` inside forward, which does that, as does an RNN's "
+            f"flatten_parameters() on CUDA: drop that call, a speed hint): the tensor "
             f"a step binds for a parameter is a view of the state's memory, and one given "
             f"new data no longer is, so the new values (or dtype) would be lost and later "
             f"steps would read stale ones. Write in place instead (`p.data.copy_(...)` "
