@@ -19,7 +19,7 @@ from torch import Tensor
 from fzero.comm import CommBase, Work
 from fzero.shm import MIN_CHUNK_BYTES, SharedSlots, open_shared_slots, wait_all
 
-__all__ = ["NO_GROUP_HELP", "TRANSPORTS", "TorchComm"]
+__all__ = ["NO_GROUP_HELP", "TRANSPORTS", "TorchComm", "choose_transport"]
 
 TRANSPORTS: tuple[str, ...] = ("single", "pairwise", "shm")
 """How `TorchComm` implements all-gather and reduce-scatter (see its docstring)."""
@@ -121,6 +121,31 @@ def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
     raise TypeError(f"timeout must be a timedelta, positive seconds or None, got {timeout!r}")
 
 
+def choose_transport(transport: str | None, backend: str) -> str:
+    """The transport a `TorchComm` over `backend` uses when asked for `transport` (None: the
+    backend's default, "pairwise" on gloo and "single" elsewhere).
+
+    Raises:
+        ValueError: an unknown transport, or "pairwise" / "shm" on another backend than gloo:
+            shm moves CPU tensors, and pairwise's ungrouped receives and sends would deadlock
+            on NCCL, which runs a rank's point-to-point operations one after another on one
+            stream (each rank's first receive waits for a send queued behind its peer's
+            receive).
+    """
+    if transport is None:
+        return "pairwise" if backend == "gloo" else "single"
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport != "single" and backend != "gloo":
+        why = ("moves CPU tensors" if transport == "shm" else
+               "issues ungrouped point-to-point receives and sends, which NCCL would run one "
+               "after another (each rank's first receive waiting for a send queued behind its "
+               "peer's receive)")
+        raise ValueError(f"transport={transport!r} {why}: it needs gloo, not {backend}; use "
+                         f"transport='single' (the default there)")
+    return transport
+
+
 class TorchComm(CommBase):
     """`Comm` over a `torch.distributed` process group (gloo on CPU, NCCL on CUDA).
 
@@ -128,10 +153,10 @@ class TorchComm(CommBase):
 
     - ``"single"`` (NCCL's default): the single-tensor collectives (`all_gather_single` /
       `reduce_scatter_single`, or their pre-2.13 names), no per-rank tensor lists.
-    - ``"pairwise"`` (gloo's default): every rank sends each other rank the chunk that rank
-      needs and receives its own directly (`isend` / `irecv`, one tag per collective, counted
-      alike on every rank, so collectives in flight together never take each other's
-      messages): one round of messages, (N-1)/N of the data each way, as a ring. A
+    - ``"pairwise"`` (gloo's default, gloo only): every rank sends each other rank the chunk
+      that rank needs and receives its own directly (`isend` / `irecv`, one tag per
+      collective, counted alike on every rank, so collectives in flight together never take
+      each other's messages): one round of messages, (N-1)/N of the data each way, as a ring. A
       reduce-scatter receives the N-1 chunks into a scratch buffer and sums all N in rank
       order (the same bits whichever rank sums); an all-gather receives straight into the
       output. gloo's own single-tensor collectives, and one gloo reduce or broadcast per rank,
@@ -202,13 +227,7 @@ class TorchComm(CommBase):
         self.timeout = _as_timedelta(timeout)
         self._ops = _single_tensor_collectives()
         self._native_avg = True
-        if transport is None:
-            transport = "pairwise" if self.backend == "gloo" else "single"
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if transport == "shm" and self.backend != "gloo":
-            raise ValueError(
-                f"transport='shm' moves CPU tensors: it needs gloo, not {self.backend}")
+        transport = choose_transport(transport, self.backend)
         if not isinstance(shm_min_bytes, int) or shm_min_bytes < 0:
             raise ValueError(f"shm_min_bytes must be an int >= 0, got {shm_min_bytes!r}")
         self.transport = transport

@@ -944,3 +944,23 @@ def test_a_broken_connection_says_which_rank_it_can_be(world: int, named: str) -
     with pytest.raises(fcomm.CollectiveError) as info:
         comm._named("all_gather", None, other)
     assert "broke" not in str(info.value)
+
+
+@pytest.mark.parametrize(("transport", "backend", "chosen"), [
+    (None, "gloo", "pairwise"), (None, "nccl", "single"), ("single", "nccl", "single"),
+    ("single", "gloo", "single"), ("pairwise", "gloo", "pairwise"), ("shm", "gloo", "shm"),
+])
+def test_choose_transport_defaults_and_keeps_what_the_backend_runs(transport, backend,
+                                                                    chosen) -> None:
+    assert ftorchcomm.choose_transport(transport, backend) == chosen
+
+
+@pytest.mark.parametrize(("transport", "match"), [
+    ("pairwise", "ungrouped point-to-point"), ("shm", "moves CPU tensors")])
+def test_pairwise_and_shm_are_refused_off_gloo(transport: str, match: str) -> None:
+    """Pairwise was accepted on NCCL, where its ungrouped receives and sends would deadlock
+    (NCCL runs a rank's point-to-point operations in order on one stream: a static review)."""
+    with pytest.raises(ValueError, match=f"{match}.*it needs gloo, not nccl"):
+        ftorchcomm.choose_transport(transport, "nccl")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        ftorchcomm.choose_transport("ring", "gloo")
