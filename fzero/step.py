@@ -230,6 +230,7 @@ def make_train_step(
     if decay is not None and not callable(decay):
         raise TypeError(f"decay must be None or a function (name, shape) -> bool, got {decay!r}")
     binder = Binder(model)
+    own_streams: dict[torch.device, Streams | None] = {}  # see _streams_of
     plans: dict[tuple[str, int, int], Any] = {}  # decay ranges per (layout, stage, rank)
     leaves = _LeafCache()  # the leaves of the state's tensors (stage 3: buffers), across steps
     checked_writes = False  # stage 3: whether a step looked for writes bypassing autograd
@@ -315,7 +316,7 @@ def make_train_step(
         before = _counts(comm)
         control_before = control.counters.total()
         buffers_now = {name: b.clone() for name, b in state.buffers.items()}
-        side = streams if streams is not None else Streams.for_device(state.config.device)
+        side = streams if streams is not None else _streams_of(own_streams, state.config.device)
         run = _run(state, model, binder, loss_fn, micro_batches, buffers_now, prefetch, side,
                    sync_buffers=buffers == "broadcast", gate=header.check, leaves=leaves,
                    check_writes=not checked_writes, named=named)
@@ -398,6 +399,7 @@ def make_eval_step(
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2 buckets, got {prefetch=}")
     binder = Binder(model)
+    own_streams: dict[torch.device, Streams | None] = {}  # see _streams_of
 
     def evaluate(state: ShardState, batch: Any) -> Any:
         if not isinstance(state, ShardState):
@@ -435,7 +437,7 @@ def make_eval_step(
             control = state.config.comm.channel(_CONTROL, host=True)
             agree_header(control, _header(state, 0 if problem else 1, kind=1),
                          what="eval step", own=problem)
-            streams = Streams.for_device(state.config.device)
+            streams = _streams_of(own_streams, state.config.device)
             with _sharded(state, model, prefetch, streams, train=False) as session:
                 out = binder.run(_bindings(state, session.leaves, buffers, named),
                                  lambda: session.evaluate(fn, model, batch))
@@ -1180,6 +1182,16 @@ def _sharded(
         yield session
     finally:
         session.close()
+
+
+def _streams_of(made: dict[torch.device, Streams | None],
+                device: torch.device) -> Streams | None:
+    """`device`'s side streams, made once per step function (`made` caches them): a new pair
+    each step would cycle through the device's pool of streams, which c10d's NCCL streams are
+    taken from too, and sooner or later share one with a collective (false ordering)."""
+    if device not in made:
+        made[device] = Streams.for_device(device)
+    return made[device]
 
 
 def _check_grad_mode() -> None:

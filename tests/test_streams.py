@@ -43,6 +43,40 @@ def test_emulated_streams_expose_a_missing_wait() -> None:
     assert not any(early for early, _ in outcomes), "a read before wait() saw the gathered data"
 
 
+def _steps_counting_side_streams(comm: Any, stage: int, monkeypatch: Any) -> int:
+    """Three train steps and two eval steps on one pair of step functions; how many times
+    they made side streams."""
+    made = [0]
+    real = Streams.for_device
+
+    def counting(device: Any) -> Any:
+        made[0] += 1
+        return real(device)
+
+    monkeypatch.setattr(Streams, "for_device", staticmethod(counting))
+    model = TinyGPT()
+    state = fzero.init(model, stage=stage, optimizer=sb.make_optimizer(("adamw", sb.ADAMW)),
+                       comm=comm)
+    step = fzero.make_train_step(model, TinyGPT.loss_fn)
+    evaluate = fzero.make_eval_step(model, TinyGPT.loss_fn)
+    batches, _ = reference()
+    for batch in batches[:3]:
+        state, _ = step(state, batch)
+    for batch in batches[:2]:
+        evaluate(state, batch)
+    return made[0]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_step_function_makes_its_side_streams_once(stage: int, monkeypatch) -> None:
+    """A train step made new CUDA side streams every step (and stage 3's eval every call):
+    torch takes them from a device's fixed pool, which c10d's NCCL streams come from too, so a
+    side stream sooner or later shared one with a collective (a static review). Each step
+    function makes them once per device (None on CPU, made once all the same)."""
+    made = fzero.SimWorld(1).run(_steps_counting_side_streams, stage, monkeypatch)[0]
+    assert made == (2 if stage == 3 else 1)  # the train step's, and stage 3's eval step's
+
+
 def test_emulated_streams_reject_a_negative_delay() -> None:
     with pytest.raises(ValueError, match="max_delay"):
         EmulatedStreams(max_delay=-1.0)
