@@ -40,6 +40,19 @@ def gloo_pool():
         pool.close()
 
 
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """One intra-op thread for a test module (`pytestmark = pytest.mark.usefixtures(...)`):
+    tiny kernels run ~3x slower with intra-op threads fighting SimWorld's rank threads for
+    2 cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def bare_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """No launcher in the environment (torchrun's and Slurm's variables removed): the

@@ -26,12 +26,7 @@ STEPS = 3
 CHECKPOINTED = ("nonreentrant", "reentrant", "sequential")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @functools.cache

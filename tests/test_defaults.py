@@ -18,12 +18,7 @@ STAGES = (0, 1, 2, 3)
 STEPS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @functools.cache

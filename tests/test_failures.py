@@ -29,12 +29,7 @@ SECONDS = 5.0
 too (instead of 30 s), so that a rank left waiting fails the test quickly."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def world_of(n: int) -> fzero.SimWorld:

@@ -37,13 +37,7 @@ PARITY_STEPS = 20
 RTOL, ATOL = 1e-5, 1e-6  # docs/design.md: <= 1e-5 relative in fp32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """Tiny kernels run ~3x slower with intra-op threads fighting the rank threads for 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # ----------------------------------------------------------------------------------------------

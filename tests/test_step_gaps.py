@@ -12,13 +12,7 @@ from torch import nn
 
 import fzero
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _mlp() -> nn.Module:
