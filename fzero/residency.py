@@ -674,6 +674,12 @@ def _reads_data(func: Any) -> bool:
     return name not in _METADATA
 
 
+@functools.lru_cache(maxsize=4096)
+def _takes_data(func: Any) -> bool:
+    """Whether torch function `func` is the ``.data`` getter (remembered, as `_reads_data`)."""
+    return getattr(func, "__name__", "") == "__get__" and _property(func) == "data"
+
+
 def _property(getter: Any) -> str:
     """The name of the tensor property whose ``__get__`` `getter` is."""
     return getattr(getattr(getter, "__self__", None), "__name__", "")
@@ -705,7 +711,7 @@ class _Guard(TorchFunctionMode):
                             index = bucket_of.get(id(base))
                     if index is not None:
                         residency.read(index)
-                        if getattr(func, "__name__", "") == "__get__" and _property(func) == "data":
+                        if _takes_data(func):
                             residency.data_taken.add(index)  # writes through it bump nothing
                     elif residency.inflight:
                         residency.settle(item)

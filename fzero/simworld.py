@@ -164,15 +164,11 @@ class _Slot:
         self.error: BaseException | None = None
 
 
+@torch.inference_mode()
 def _compute(calls: list[_Call]) -> None:
     """Carry out one matched collective: read every input, then write every output (in
     inference mode: an output a rank made under ``torch.inference_mode()`` is an inference
     tensor, which this thread, outside the rank's mode, could not write; gloo writes it)."""
-    with torch.inference_mode():
-        _compute_now(calls)
-
-
-def _compute_now(calls: list[_Call]) -> None:
     kind, n = calls[0].kind, len(calls)
     if kind == "barrier":
         return

@@ -78,9 +78,10 @@ class FileInfo(NamedTuple):
 
 def fsync_dir(path: str) -> None:
     """Flush directory `path`'s entries (files created or renamed in it) to stable storage:
-    without it a power cut after a rename may lose the rename, whatever the files hold."""
+    without it a power cut after a rename may lose the rename, whatever the files hold.
+    ``""`` (the `os.path.dirname` of a bare file name) is the current directory."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path or os.curdir, os.O_RDONLY)
     except OSError:
         return  # not supported (e.g. Windows): the rename is still atomic
     try:

@@ -224,7 +224,7 @@ def write_model(
     with Reader(path, manifest, manifest.layout, pin) as reader:
         _write_weights(target, reader, tensors, bar)
     bar.close()
-    fsync_dir(os.path.dirname(target) or os.curdir)
+    fsync_dir(os.path.dirname(target))
 
 
 def _write_weights(target: str, reader: Reader, tensors: Sequence[_Tensor], bar: _Progress) -> None:
@@ -320,7 +320,7 @@ def reshard(
         os.fsync(f.fileno())
     fsync_dir(partial)  # as `fzero.save`: the files' entries, then the rename, reach the disk
     os.rename(partial, dst)
-    fsync_dir(os.path.dirname(dst) or os.curdir)
+    fsync_dir(os.path.dirname(dst))
     return result
 
 
