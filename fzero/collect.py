@@ -99,7 +99,7 @@ class Streams:
         with torch.cuda.stream(stream):
             work = issue()
             event.record(stream)
-        return Pending(output, work, event)
+        return Pending(output, work, event, stream)
 
     def before(self, point: str) -> None:
         """Nothing to do on a real device."""
@@ -181,19 +181,32 @@ class Pending:
     Waiting twice is harmless; the second call returns at once.
     """
 
-    __slots__ = ("_event", "_output", "_work", "_host_done")
+    __slots__ = ("_event", "_output", "_work", "_host_done", "_stream")
 
-    def __init__(self, output: Tensor, work: Work | None, event: Any | None) -> None:
+    def __init__(self, output: Tensor, work: Work | None, event: Any | None,
+                 stream: Any | None = None) -> None:
         self._output = output
         self._work = work
         self._event = event
         self._host_done = False
+        self._stream = stream  # the CUDA side stream it was issued on, if any
 
     def wait_host(self) -> None:
         """Block until the collective is done on the host (not the stream part of `wait`);
-        may run on another thread, once."""
+        may run on another thread, once.
+
+        A CUDA collective's `wait()` (NCCL) does not block the host: it makes the stream
+        current on the calling thread wait for the collective. On a helper thread that is the
+        device's default stream, usually the compute stream, which would then stall until the
+        collective is done (no overlap): so the wait runs with the collective's own side
+        stream current, which orders nothing the step computes on.
+        """
         if self._work is not None and not self._host_done:
-            self._work.wait()
+            if self._stream is None:
+                self._work.wait()
+            else:
+                with torch.cuda.stream(self._stream):
+                    self._work.wait()
             self._host_done = True
 
     def wait(self) -> Tensor:

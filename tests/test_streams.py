@@ -10,13 +10,14 @@ and must still equal single-process torch.optim.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import pytest
 import torch
 
 import fzero
-from fzero.collect import EmulatedStreams, Streams, all_gather_bucket
+from fzero.collect import EmulatedStreams, Streams, all_gather_bucket, reduce_scatter_bucket
 
 import step_bodies as sb
 from models import TinyGPT, reference_train
@@ -145,6 +146,35 @@ def test_slow_cuda_streams_expose_a_missing_wait(bare_env: pytest.MonkeyPatch) -
         early, late = cuda_missing_wait_body(comm)
     assert late
     assert not early, "a read before wait() saw the gathered data: SlowStreams proves nothing"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_host_wait_on_a_helper_thread_leaves_the_compute_stream_free(
+    bare_env: pytest.MonkeyPatch,
+) -> None:
+    """Stage 3 waits for its reductions on a helper thread (`Reducer`'s patience). NCCL's
+    `wait()` does not block the host: it makes the calling thread's current stream wait, on a
+    helper thread the default stream, which the step computes on; the compute stream then
+    stalled until each reduction was done, and backward stopped overlapping its reductions.
+    The wait runs on the collective's side stream: the compute stream reads the output before
+    the (GPU-delayed) reduction fills it, until `wait()` orders it."""
+    with fzero.distributed(backend="nccl") as comm:
+        layout = fzero.plan({"w": torch.zeros(6)}, comm.world_size)
+        bucket = layout.buckets[0]
+        flat = torch.ones(bucket.padded_numel, device="cuda")
+        out = torch.zeros(bucket.shard_numel, device="cuda")
+        out.ne(0).all().item()
+        torch.cuda.synchronize()
+        pending = reduce_scatter_bucket(comm, bucket, flat, out=out,
+                                        streams=SlowStreams(out.device))
+        helper = threading.Thread(target=pending.wait_host)
+        helper.start()
+        helper.join()
+        early = out.ne(0).all().item()  # on the compute stream: nothing should order it yet
+        late = pending.wait().ne(0).all().item()
+    assert late
+    assert not early, "a host wait on a helper thread made the compute stream wait"
 
 
 @pytest.mark.cuda
