@@ -756,7 +756,8 @@ def main() -> None:
                          "report per-step ratios (no memory columns; no DeepSpeed rows)")
     ap.add_argument("--buckets", type=int, default=None, metavar="ELEMENTS",
                     help="fzero rows: buckets=ELEMENTS (size-capped buckets) instead of the "
-                         "default policy (one bucket per block, small blocks merged)")
+                         "default policy (fzero.state.default_buckets: one bucket per block, "
+                         "small blocks merged; stages 0-2 on CUDA buckets of 2**26)")
     args = ap.parse_args()
     if int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun, rank 0 drives every row's fresh processes

@@ -70,6 +70,7 @@ REDUCE_SCATTER_OPS: tuple[str, ...] = ("sum", "avg")
 ALL_REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
 """Reductions `Comm.all_reduce` accepts."""
 
+_DIGESTS_KEPT = 4096  # collective codes a comm remembers the hash of
 _SIGNATURE_MODULUS = 2**61 - 1  # a Mersenne prime: signatures fit in an int64
 
 
@@ -357,6 +358,7 @@ class CommBase:
         self.counters = CommCounters()
         self.name = "main"
         self._signature = 0
+        self._digests: dict[tuple[int, str | None, int, str], int] = {}  # `_count`'s, by code
         self._issued = 0
         self._channels: dict[str, Comm] = {}
         self._scope = _Scope()
@@ -466,10 +468,14 @@ class CommBase:
             kind, ring_bytes(kind, big.numel(), big.element_size(), self.world_size)
         )
         code = (COLLECTIVES.index(kind), op, big.numel(), str(big.dtype))
-        digest = hashlib.blake2b(repr(code).encode(), digest_size=8).digest()
-        self._signature = (self._signature * 1_000_003 + int.from_bytes(digest, "little")) % (
-            _SIGNATURE_MODULUS
-        )
+        digest = self._digests.get(code)
+        if digest is None:  # a step issues the same few codes every time: hash each once
+            digest = int.from_bytes(
+                hashlib.blake2b(repr(code).encode(), digest_size=8).digest(), "little")
+            if len(self._digests) >= _DIGESTS_KEPT:  # sizes that vary: bounded, not a leak
+                self._digests.clear()
+            self._digests[code] = digest
+        self._signature = (self._signature * 1_000_003 + digest) % _SIGNATURE_MODULUS
 
     def all_gather(
         self, output: Tensor, input: Tensor, *, async_op: bool = False, label: str | None = None

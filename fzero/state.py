@@ -41,7 +41,15 @@ from fzero.bound import (
 )
 from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite, flatten, shard_view
-from fzero.layout import Bucket, Entry, ShardLayout, check_dtypes, flatten_names, plan
+from fzero.layout import (
+    DEFAULT_BUCKET_CAP_CUDA,
+    Bucket,
+    Entry,
+    ShardLayout,
+    check_dtypes,
+    flatten_names,
+    plan,
+)
 from fzero.optim import Optimizer
 
 __all__ = [
@@ -50,6 +58,7 @@ __all__ = [
     "ShardConfig",
     "ShardState",
     "STAGES",
+    "default_buckets",
     "check_dtypes",
     "check_finite",
     "check_live",
@@ -225,6 +234,15 @@ def state_device(device: torch.device | str | None, comm: Comm) -> torch.device:
             "on meta, the state needs a real device (default: the comm's)"
         )
     return resolved
+
+
+def default_buckets(stage: int, device: torch.device) -> int | None:
+    """The bucket policy `init` plans with when given ``buckets=None``: at stages 0-2 on CUDA
+    a size cap of `DEFAULT_BUCKET_CAP_CUDA` elements (a GPU's fixed host cost per collective
+    and bucket outweighs finer overlap; these stages gather nothing in forward, so blocks mean
+    nothing to them); otherwise None, `fzero.plan`'s own default (one bucket per block, small
+    blocks merged)."""
+    return DEFAULT_BUCKET_CAP_CUDA if device.type == "cuda" and stage < 3 else None
 
 
 def _on_rank0(comm: Comm, make: Callable[[], Any], what: str) -> Any:
@@ -430,7 +448,9 @@ def init(
         optimizer: an `fzero.optim` optimizer.
         comm: the communicator (`fzero.TorchComm`, or a `SimWorld` rank's comm).
         buckets: bucket policy, as for `fzero.plan` (whose `separate_tied` is ``stage == 3``:
-            in stages 0-2 a small tied embedding shares its neighbor's bucket).
+            in stages 0-2 a small tied embedding shares its neighbor's bucket). ``None``:
+            `default_buckets`, which on CUDA at stages 0-2 caps buckets at 2**26 elements
+            instead of one per block (each collective costs a GPU step host time).
         param_dtype: compute dtype of floating parameters and buffers (e.g.
             ``torch.bfloat16``, as ``model.to(param_dtype)`` would); default their own dtypes.
         master_dtype: dtype of the optimizer's copy of trainable parameters and its moments;
@@ -480,6 +500,8 @@ def init(
     check_dtypes(param_dtype=param_dtype, reduce_dtype=reduce_dtype, master_dtype=master_dtype)
     check_comm(comm, "init")
     device = state_device(device, comm)
+    if buckets is None:
+        buckets = default_buckets(stage, device)
     source_layout = plan(model, comm.world_size, buckets=buckets, trainable=trainable,
                          separate_tied=stage == 3)
     if not source_layout.buckets:

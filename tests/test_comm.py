@@ -964,3 +964,32 @@ def test_pairwise_and_shm_are_refused_off_gloo(transport: str, match: str) -> No
         ftorchcomm.choose_transport(transport, "nccl")
     with pytest.raises(ValueError, match="transport must be one of"):
         ftorchcomm.choose_transport("ring", "gloo")
+
+
+def _reference_signature(codes: list[tuple[int, str | None, int, str]]) -> int:
+    """The running hash of `CommBase.signature`, computed from scratch for every collective."""
+    import hashlib
+
+    signature = 0
+    for code in codes:
+        digest = hashlib.blake2b(repr(code).encode(), digest_size=8).digest()
+        signature = (signature * 1_000_003 + int.from_bytes(digest, "little")) % (2**61 - 1)
+    return signature
+
+
+def test_signature_equals_the_uncached_hash_also_past_the_cache(monkeypatch) -> None:
+    """A comm hashes each collective's (kind, op, numel, dtype) once and reuses it: the
+    signature must stay the from-scratch hash, for a reused hash before and after the bounded
+    cache was cleared, and the cache must stay within its bound."""
+    monkeypatch.setattr(fcomm, "_DIGESTS_KEPT", 3)
+    sizes = (4, 4, 8, 12, 16, 4, 4)  # hit, three misses, a clear at 16, a miss, a hit
+
+    def body(comm: Comm) -> tuple[int, int]:
+        for n in sizes:
+            comm.all_reduce(torch.ones(n), op="sum")
+        return comm.signature, len(comm._digests)
+
+    codes = [(COLLECTIVES.index("all_reduce"), "sum", n, "torch.float32") for n in sizes]
+    [(signature, kept)] = SimWorld(1).run(body)
+    assert signature == _reference_signature(codes)
+    assert kept <= 3
