@@ -220,6 +220,7 @@ class Residency:
         self.data_taken: set[int] = set()
         if buffers is None:
             buffers = FullBuffers(layout, shards)
+        self.buffers = buffers
         self.full = buffers.full
         self.leaves = buffers.leaves
         self.bucket_of = buffers.bucket_of

@@ -428,9 +428,14 @@ def make_eval_step(
         if state.stage < 3:
             leaves = [entry_views(flat, bucket)
                       for flat, bucket in zip(state.params, state.layout.buckets, strict=True)]
+            views = _views(leaves)
             with torch.no_grad():
-                return binder.run(_bindings(state, leaves, buffers, named),
-                                  lambda: fn(model.__call__, batch))
+                out = binder.run(_bindings(state, leaves, buffers, named),
+                                 lambda: fn(model.__call__, batch))
+            replaced = _replaced(state.layout, leaves, views)
+            if replaced:  # torch's module would keep the new data; the state would not
+                raise _replaced_data(replaced)
+            return out
         # Under the caller's torch.inference_mode too: the gathered buffers and leaves are
         # kept for the next step, so they may not become inference tensors.
         with torch.inference_mode(False), torch.no_grad():
@@ -443,6 +448,9 @@ def make_eval_step(
                                  lambda: session.evaluate(fn, model, batch))
             if session.written:  # found as the buckets were released, the last ones on exit
                 raise _written_through_data(state, session.written)
+            replaced = session.residency.buffers.replaced()
+            if replaced:  # torch's module would keep the new data; the state would not
+                raise _replaced_data(replaced)
             return out
 
     return evaluate
@@ -652,17 +660,7 @@ def _lost_to_the_state(
     if written:
         return _written_through_data(state, written)
     if replaced:
-        return ValueError(
-            f"forward replaced the data of parameters {list(replaced[:5])} (`p.data = ...`, or "
-            f"`module.to(dtype)` / `.float()` inside forward, which does that, as does an RNN's "
-            f"flatten_parameters() on CUDA: drop that call, a speed hint): the tensor "
-            f"a step binds for a parameter is a view of the state's memory, and one given "
-            f"new data no longer is, so the new values (or dtype) would be lost and later "
-            f"steps would read stale ones. Write in place instead (`p.data.copy_(...)` "
-            f"lands in the state at stages 0-2), or give the parameter, before fzero.init, "
-            f"the dtype forward converts it to (e.g. a Hugging Face SwitchTransformers "
-            f"router kept in its router_dtype: build the model in those dtypes and leave "
-            f"param_dtype unset), so that the conversion is a no-op")
+        return _replaced_data(replaced)
     if toggled:
         return ValueError(
             f"forward changed requires_grad of parameters {list(toggled[:5])} (e.g. "
@@ -684,6 +682,22 @@ def _lost_to_the_state(
             f"and their gradients were lost. Read parameters through the module attribute "
             f"that registers them (self.proj.weight) in forward")
     return None
+
+
+def _replaced_data(replaced: Sequence[str]) -> ValueError:
+    """The error for parameters whose data forward replaced (`_Leaves.replaced`), in a train
+    or an eval step: torch's module would keep the new data, the state does not."""
+    return ValueError(
+        f"forward replaced the data of parameters {list(replaced[:5])} (`p.data = ...`, or "
+        f"`module.to(dtype)` / `.float()` inside forward, which does that, as does an RNN's "
+        f"flatten_parameters() on CUDA: drop that call, a speed hint): the tensor "
+        f"a step binds for a parameter is a view of the state's memory, and one given "
+        f"new data no longer is, so the new values (or dtype) would be lost and later "
+        f"steps would read stale ones. Write in place instead (`p.data.copy_(...)` "
+        f"lands in the state at stages 0-2), or give the parameter, before fzero.init, "
+        f"the dtype forward converts it to (e.g. a Hugging Face SwitchTransformers "
+        f"router kept in its router_dtype: build the model in those dtypes and leave "
+        f"param_dtype unset), so that the conversion is a no-op")
 
 
 def _written_through_data(state: ShardState, written: Sequence[int]) -> ValueError:
@@ -762,18 +776,12 @@ class _Leaves:
                     self.homes[index] = list(entry_views(grads, bucket))
         self.completion = Completion(layout, self.leaves, lambda index: None)
         self.completion.stop()  # until a step `restart`s it
-        self._views = [[(leaf.data_ptr(), leaf.dtype) for leaf in bucket_leaves]
-                       for bucket_leaves in self.leaves]
+        self._views = _views(self.leaves)
 
     def replaced(self) -> list[str]:
         """The parameters whose leaf no longer views its flat buffer: forward replaced its data
         (``p.data = ...``, or ``module.to(dtype)`` inside forward, which does that)."""
-        return [entry.name
-                for bucket, bucket_leaves, views in zip(self.layout.buckets, self.leaves,
-                                                        self._views, strict=True)
-                for entry, leaf, (pointer, dtype) in zip(bucket.entries, bucket_leaves, views,
-                                                         strict=True)
-                if leaf.dtype != dtype or leaf.data_ptr() != pointer]
+        return _replaced(self.layout, self.leaves, self._views)
 
     def toggled(self) -> list[str]:
         """The parameters whose leaf's ``requires_grad`` forward changed (`_toggled`)."""
@@ -891,6 +899,23 @@ class _LeafCache:
             if self._leaves is not None:
                 self._leaves.close()
             self._leaves = self._watch = None
+
+
+def _views(leaves: Sequence[Sequence[Tensor]]) -> list[list[tuple[int, torch.dtype]]]:
+    """Where each leaf's data is, and its dtype, per bucket (for `_replaced`)."""
+    return [[(leaf.data_ptr(), leaf.dtype) for leaf in bucket_leaves] for bucket_leaves in leaves]
+
+
+def _replaced(layout: ShardLayout, leaves: Sequence[Sequence[Tensor]],
+              views: Sequence[Sequence[tuple[int, torch.dtype]]]) -> list[str]:
+    """The parameters whose leaf no longer has the data `views` recorded: forward replaced it
+    (``p.data = ...``, or ``module.to(dtype)`` inside forward, which does that)."""
+    return [entry.name
+            for bucket, bucket_leaves, bucket_views in zip(layout.buckets, leaves, views,
+                                                           strict=True)
+            for entry, leaf, (pointer, dtype) in zip(bucket.entries, bucket_leaves,
+                                                     bucket_views, strict=True)
+            if leaf.dtype != dtype or leaf.data_ptr() != pointer]
 
 
 def _toggled(layout: ShardLayout, leaves: Sequence[Sequence[Tensor]]) -> list[str]:

@@ -255,6 +255,31 @@ def test_forward_that_gives_a_parameter_new_data_raises_and_the_next_step_is_exa
                                 switch="mode", bad=mode, fixed="to-own-dtype")
 
 
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("mode", ["data", "to"])
+def test_an_eval_forward_that_gives_a_parameter_new_data_raises(stage, mode):
+    """In an eval step too: torch's module keeps the data its forward gave a parameter, and
+    later steps use it; the state never saw it (stages 0-2 bind fresh views per eval, and
+    said nothing). Every rank raises; the state is unchanged and a fixed forward evaluates."""
+
+    def body(comm):
+        model = Renormed()
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        before = fzero.full_params(state)
+        evaluate = fzero.make_eval_step(model, _loss)
+        model.mode = mode
+        with pytest.raises(ValueError, match=r"replaced the data of parameters \['lin.weight'"):
+            evaluate(state, _rows(comm, _batch()))
+        model.mode = "to-own-dtype"
+        loss = evaluate(state, _rows(comm, _batch()))
+        after = fzero.full_params(state)
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        return float(loss)
+
+    losses = fzero.SimWorld(2).run(body)
+    assert all(loss > 0 for loss in losses)
+
+
 def _raises_then_trains_exactly(build, stage: int, match: str, *, switch: str = "",
                                 bad: str = "", fixed: str = "", failing_loss=_loss) -> None:
     """On 2 ranks, a step with `failing_loss` on a `build()` model whose attribute `switch`
