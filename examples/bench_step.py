@@ -757,7 +757,7 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, default=None, metavar="ELEMENTS",
                     help="fzero rows: buckets=ELEMENTS (size-capped buckets) instead of the "
                          "default policy (fzero.state.default_buckets: one bucket per block, "
-                         "small blocks merged; stages 0-2 on CUDA buckets of 2**26)")
+                         "small blocks merged; stages 0-2 on CUDA buckets of at most 2**26)")
     args = ap.parse_args()
     if int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun, rank 0 drives every row's fresh processes

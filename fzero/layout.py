@@ -30,6 +30,8 @@ __all__ = [
     "DEFAULT_BUCKET_CAP",
     "DEFAULT_BUCKET_CAP_CUDA",
     "DEFAULT_BUCKET_FLOOR",
+    "STAGE2_MIN_BUCKETS",
+    "STAGE2_MIN_CAP_CUDA",
     "LAYOUT_FORMAT",
     "LAYOUT_VERSION",
     "Bucket",
@@ -60,6 +62,12 @@ DEFAULT_BUCKET_FLOOR = 2**20
 # default is 5e8 elements. Stage 3 keeps one bucket per block: a bucket is gathered whole, so a
 # larger one raises its peak memory.
 DEFAULT_BUCKET_CAP_CUDA = 2**26
+# Stage 2 holds a bucket's leaf gradients and its flat copy, and the previous bucket's in
+# flight: about three buckets, which must stay below the full gradient stage 1 keeps. On CUDA
+# its cap is also at most 1/STAGE2_MIN_BUCKETS of the trainable elements, but at least
+# STAGE2_MIN_CAP_CUDA (below which the bytes do not matter and the host cost does).
+STAGE2_MIN_BUCKETS = 4
+STAGE2_MIN_CAP_CUDA = 2**22
 
 _INDEX_COMPONENT = re.compile(r"^\d+$")
 

@@ -43,6 +43,8 @@ from fzero.comm import Comm, check_comm, fingerprint_check
 from fzero.flat import all_finite, flatten, shard_view
 from fzero.layout import (
     DEFAULT_BUCKET_CAP_CUDA,
+    STAGE2_MIN_BUCKETS,
+    STAGE2_MIN_CAP_CUDA,
     Bucket,
     Entry,
     ShardLayout,
@@ -236,13 +238,24 @@ def state_device(device: torch.device | str | None, comm: Comm) -> torch.device:
     return resolved
 
 
-def default_buckets(stage: int, device: torch.device) -> int | None:
-    """The bucket policy `init` plans with when given ``buckets=None``: at stages 0-2 on CUDA
-    a size cap of `DEFAULT_BUCKET_CAP_CUDA` elements (a GPU's fixed host cost per collective
-    and bucket outweighs finer overlap; these stages gather nothing in forward, so blocks mean
-    nothing to them); otherwise None, `fzero.plan`'s own default (one bucket per block, small
-    blocks merged)."""
-    return DEFAULT_BUCKET_CAP_CUDA if device.type == "cuda" and stage < 3 else None
+def default_buckets(stage: int, device: torch.device, trainable_numel: int) -> int | None:
+    """The bucket policy `init` plans with when given ``buckets=None``.
+
+    On CUDA at stages 0-1, a size cap of `DEFAULT_BUCKET_CAP_CUDA` elements: a GPU's fixed
+    host cost per collective and bucket outweighs finer overlap, and these stages gather
+    nothing in forward, so blocks mean nothing to them. At stage 2 the cap is also at most a
+    `STAGE2_MIN_BUCKETS`-th of the `trainable_numel` elements (at least `STAGE2_MIN_CAP_CUDA`),
+    so that the gradients it holds at once (about three buckets) stay below stage 1's full
+    gradient. Otherwise None: `fzero.plan`'s own default (one bucket per block, small blocks
+    merged), which stage 3 needs (a bucket is gathered whole) and the CPU keeps (a
+    collective's fixed cost is small next to its compute).
+    """
+    if device.type != "cuda" or stage == 3:
+        return None
+    if stage < 2:
+        return DEFAULT_BUCKET_CAP_CUDA
+    share = -(-trainable_numel // STAGE2_MIN_BUCKETS)
+    return min(DEFAULT_BUCKET_CAP_CUDA, max(STAGE2_MIN_CAP_CUDA, share))
 
 
 def _on_rank0(comm: Comm, make: Callable[[], Any], what: str) -> Any:
@@ -449,8 +462,9 @@ def init(
         comm: the communicator (`fzero.TorchComm`, or a `SimWorld` rank's comm).
         buckets: bucket policy, as for `fzero.plan` (whose `separate_tied` is ``stage == 3``:
             in stages 0-2 a small tied embedding shares its neighbor's bucket). ``None``:
-            `default_buckets`, which on CUDA at stages 0-2 caps buckets at 2**26 elements
-            instead of one per block (each collective costs a GPU step host time).
+            `default_buckets`, which on CUDA at stages 0-2 caps buckets at 2**26 elements (at
+            stage 2 also at a quarter of the trainable ones) instead of one per block: each
+            collective costs a GPU step host time.
         param_dtype: compute dtype of floating parameters and buffers (e.g.
             ``torch.bfloat16``, as ``model.to(param_dtype)`` would); default their own dtypes.
         master_dtype: dtype of the optimizer's copy of trainable parameters and its moments;
@@ -500,10 +514,14 @@ def init(
     check_dtypes(param_dtype=param_dtype, reduce_dtype=reduce_dtype, master_dtype=master_dtype)
     check_comm(comm, "init")
     device = state_device(device, comm)
-    if buckets is None:
-        buckets = default_buckets(stage, device)
     source_layout = plan(model, comm.world_size, buckets=buckets, trainable=trainable,
                          separate_tied=stage == 3)
+    if buckets is None:
+        policy = default_buckets(stage, device, sum(
+            bucket.numel for bucket in source_layout.buckets if bucket.trainable))
+        if policy is not None:
+            source_layout = plan(model, comm.world_size, buckets=policy, trainable=trainable,
+                                 separate_tied=stage == 3)
     if not source_layout.buckets:
         raise ValueError("init: the model has no parameters: there is nothing to train")
     _check_real(source_layout)

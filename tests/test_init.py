@@ -388,21 +388,42 @@ def test_default_buckets_cap_stages_0_to_2_on_cuda_only() -> None:
     from fzero.state import STAGES, default_buckets
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert [default_buckets(stage, cpu) for stage in STAGES] == [None] * 4
-    assert [default_buckets(stage, cuda) for stage in STAGES] == [
+    assert [default_buckets(stage, cpu, 10**9) for stage in STAGES] == [None] * 4
+    assert [default_buckets(stage, cuda, 10**9) for stage in STAGES] == [
         DEFAULT_BUCKET_CAP_CUDA] * 3 + [None]
     with torch.device("meta"):  # 20 blocks of 4.2M elements: 84M, nothing allocated
         model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(20)))
     per_block = fzero.plan(model, 3, separate_tied=False)
-    capped = fzero.plan(model, 3, buckets=default_buckets(1, cuda), separate_tied=False)
+    capped = fzero.plan(model, 3, buckets=default_buckets(1, cuda, 0), separate_tied=False)
     assert len(per_block.buckets) == 20
     assert [b.numel for b in capped.buckets] == [15 * 2048 * 2049, 5 * 2048 * 2049]
     assert all(b.numel <= DEFAULT_BUCKET_CAP_CUDA for b in capped.buckets)
 
 
+@pytest.mark.parametrize("blocks", [1, 2, 5, 8, 20, 40])
+def test_stage_2_on_cuda_holds_less_gradient_than_stage_1(blocks: int) -> None:
+    """Stage 2 holds about three buckets of gradient at once (the leaves of one, its flat copy,
+    the previous one in flight), stage 1 the whole gradient: its CUDA cap keeps three of its
+    largest buckets below the model, except where its smallest cap binds (buckets of at most
+    2**22 elements, 16 MiB in fp32: bytes a GPU does not miss)."""
+    from fzero.layout import DEFAULT_BUCKET_CAP_CUDA, STAGE2_MIN_CAP_CUDA
+    from fzero.state import default_buckets
+
+    with torch.device("meta"):  # blocks of 4.2M elements
+        model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(blocks)))
+    numel = blocks * 2048 * 2049
+    cap = default_buckets(2, torch.device("cuda"), numel)
+    assert STAGE2_MIN_CAP_CUDA <= cap <= DEFAULT_BUCKET_CAP_CUDA
+    sizes = [b.numel for b in fzero.plan(model, 2, buckets=cap).buckets]
+    assert sum(sizes) == numel
+    assert 3 * max(sizes) < numel or max(sizes) <= STAGE2_MIN_CAP_CUDA, (blocks, sizes)
+    if numel >= 4 * STAGE2_MIN_CAP_CUDA:  # the quarter binds, not the smallest cap
+        assert 3 * max(sizes) < numel, (blocks, sizes)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_init_on_cuda_plans_with_the_default_policy(bare_env, stage: int) -> None:
     """On the GPU `init` (buckets=None) builds the layout `default_buckets` names."""
     from fzero.state import default_buckets
@@ -410,6 +431,7 @@ def test_init_on_cuda_plans_with_the_default_policy(bare_env, stage: int) -> Non
     with fzero.distributed(backend="nccl") as comm:
         model = TinyGPT().cuda()
         state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
-    expected = fzero.plan(model, 1, buckets=default_buckets(stage, torch.device("cuda")),
-                          separate_tied=stage == 3)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    expected = fzero.plan(model, 1, separate_tied=stage == 3,
+                          buckets=default_buckets(stage, torch.device("cuda"), numel))
     assert state.layout == expected
