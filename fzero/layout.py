@@ -62,11 +62,14 @@ DEFAULT_BUCKET_FLOOR = 2**20
 # default is 5e8 elements. Stage 3 keeps one bucket per block: a bucket is gathered whole, so a
 # larger one raises its peak memory.
 DEFAULT_BUCKET_CAP_CUDA = 2**26
-# Stage 2 holds a bucket's leaf gradients and its flat copy, and the previous bucket's in
-# flight: about three buckets, which must stay below the full gradient stage 1 keeps. On CUDA
-# its cap is also at most 1/STAGE2_MIN_BUCKETS of the trainable elements, but at least
-# STAGE2_MIN_CAP_CUDA (below which the bytes do not matter and the host cost does).
-STAGE2_MIN_BUCKETS = 4
+# Stage 2 holds its gradient shards (1/N of the gradient) and, while reducing, about two
+# buckets' worth (one bucket's leaf gradients and its flat copy, or that copy in flight while
+# the next bucket's leaves fill), three at worst: with buckets of at most 1/8 of the trainable
+# elements that stays below the whole gradient stage 1 keeps from N = 2 on (1/2 + 3/8 < 1).
+# So on CUDA its cap is also at most 1/STAGE2_MIN_BUCKETS of the trainable elements, but at
+# least STAGE2_MIN_CAP_CUDA (16 MiB in fp32: below that the bytes do not matter on a GPU and
+# the host cost does).
+STAGE2_MIN_BUCKETS = 8
 STAGE2_MIN_CAP_CUDA = 2**22
 
 _INDEX_COMPONENT = re.compile(r"^\d+$")

@@ -245,10 +245,10 @@ def default_buckets(stage: int, device: torch.device, trainable_numel: int) -> i
     host cost per collective and bucket outweighs finer overlap, and these stages gather
     nothing in forward, so blocks mean nothing to them. At stage 2 the cap is also at most a
     `STAGE2_MIN_BUCKETS`-th of the `trainable_numel` elements (at least `STAGE2_MIN_CAP_CUDA`),
-    so that the gradients it holds at once (about three buckets) stay below stage 1's full
-    gradient. Otherwise None: `fzero.plan`'s own default (one bucket per block, small blocks
-    merged), which stage 3 needs (a bucket is gathered whole) and the CPU keeps (a
-    collective's fixed cost is small next to its compute).
+    so that its gradient shards and the buckets it reduces at once (two or three) stay below
+    stage 1's full gradient from two ranks on. Otherwise None: `fzero.plan`'s own default (one
+    bucket per block, small blocks merged), which stage 3 needs (a bucket is gathered whole)
+    and the CPU keeps (a collective's fixed cost is small next to its compute).
     """
     if device.type != "cuda" or stage == 3:
         return None
@@ -463,7 +463,7 @@ def init(
         buckets: bucket policy, as for `fzero.plan` (whose `separate_tied` is ``stage == 3``:
             in stages 0-2 a small tied embedding shares its neighbor's bucket). ``None``:
             `default_buckets`, which on CUDA at stages 0-2 caps buckets at 2**26 elements (at
-            stage 2 also at a quarter of the trainable ones) instead of one per block: each
+            stage 2 also at an eighth of the trainable ones) instead of one per block: each
             collective costs a GPU step host time.
         param_dtype: compute dtype of floating parameters and buffers (e.g.
             ``torch.bfloat16``, as ``model.to(param_dtype)`` would); default their own dtypes.
