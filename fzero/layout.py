@@ -30,10 +30,10 @@ __all__ = [
     "DEFAULT_BUCKET_CAP",
     "DEFAULT_BUCKET_CAP_CUDA",
     "DEFAULT_BUCKET_FLOOR",
-    "STAGE2_MIN_BUCKETS",
-    "STAGE2_MIN_CAP_CUDA",
     "LAYOUT_FORMAT",
     "LAYOUT_VERSION",
+    "STAGE2_MIN_BUCKETS",
+    "STAGE2_MIN_CAP_CUDA",
     "Bucket",
     "Entry",
     "Segment",
@@ -66,9 +66,9 @@ DEFAULT_BUCKET_CAP_CUDA = 2**26
 # buckets' worth (one bucket's leaf gradients and its flat copy, or that copy in flight while
 # the next bucket's leaves fill), three at worst: with buckets of at most 1/8 of the trainable
 # elements that stays below the whole gradient stage 1 keeps from N = 2 on (1/2 + 3/8 < 1).
-# So on CUDA its cap is also at most 1/STAGE2_MIN_BUCKETS of the trainable elements, but at
-# least STAGE2_MIN_CAP_CUDA (16 MiB in fp32: below that the bytes do not matter on a GPU and
-# the host cost does).
+# So on CUDA its trainable buckets are also at most 1/STAGE2_MIN_BUCKETS of the trainable
+# elements, but at least STAGE2_MIN_CAP_CUDA (16 MiB in fp32: below that the bytes do not
+# matter on a GPU and the host cost does).
 STAGE2_MIN_BUCKETS = 8
 STAGE2_MIN_CAP_CUDA = 2**22
 

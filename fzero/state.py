@@ -238,24 +238,42 @@ def state_device(device: torch.device | str | None, comm: Comm) -> torch.device:
     return resolved
 
 
-def default_buckets(stage: int, device: torch.device, trainable_numel: int) -> int | None:
-    """The bucket policy `init` plans with when given ``buckets=None``.
+def default_buckets(
+    stage: int, device: torch.device, planned: ShardLayout
+) -> list[list[str]] | None:
+    """The bucket policy `init` uses when given ``buckets=None``, from `planned`, the layout of
+    `fzero.plan`'s own default (one bucket per block, small blocks merged).
 
-    On CUDA at stages 0-1, a size cap of `DEFAULT_BUCKET_CAP_CUDA` elements: a GPU's fixed
-    host cost per collective and bucket outweighs finer overlap, and these stages gather
-    nothing in forward, so blocks mean nothing to them. At stage 2 the cap is also at most a
-    `STAGE2_MIN_BUCKETS`-th of the `trainable_numel` elements (at least `STAGE2_MIN_CAP_CUDA`),
-    so that its gradient shards and the buckets it reduces at once (two or three) stay below
-    stage 1's full gradient from two ranks on. Otherwise None: `fzero.plan`'s own default (one
-    bucket per block, small blocks merged), which stage 3 needs (a bucket is gathered whole)
-    and the CPU keeps (a collective's fixed cost is small next to its compute).
+    On CUDA at stages 0-2: the parameters in `planned`'s order, grouped into buckets of at most
+    `DEFAULT_BUCKET_CAP_CUDA` elements (a GPU's fixed host cost per collective and bucket
+    outweighs finer overlap, and these stages gather nothing in forward, so blocks mean nothing
+    to them). At stage 2 a trainable bucket is also at most a `STAGE2_MIN_BUCKETS`-th of the
+    trainable elements (at least `STAGE2_MIN_CAP_CUDA`), so that its gradient shards and the
+    buckets it reduces at once (two or three) stay below stage 1's full gradient from two ranks
+    on; frozen buckets keep the larger cap (a model mostly frozen would otherwise be cut into
+    many small buckets, each a fixed cost per step). Otherwise None: `planned` as it is, which
+    stage 3 needs (a bucket is gathered whole) and the CPU keeps (a collective's fixed cost is
+    small next to its compute).
     """
     if device.type != "cuda" or stage == 3:
         return None
-    if stage < 2:
-        return DEFAULT_BUCKET_CAP_CUDA
-    share = -(-trainable_numel // STAGE2_MIN_BUCKETS)
-    return min(DEFAULT_BUCKET_CAP_CUDA, max(STAGE2_MIN_CAP_CUDA, share))
+    trainable_cap = DEFAULT_BUCKET_CAP_CUDA
+    if stage == 2:
+        trainable = sum(bucket.numel for bucket in planned.buckets if bucket.trainable)
+        share = -(-trainable // STAGE2_MIN_BUCKETS)
+        trainable_cap = min(DEFAULT_BUCKET_CAP_CUDA, max(STAGE2_MIN_CAP_CUDA, share))
+    groups: list[list[str]] = []
+    filled = {True: 0, False: 0}  # elements in the open group, by trainability
+    for bucket in planned.buckets:
+        cap = trainable_cap if bucket.trainable else DEFAULT_BUCKET_CAP_CUDA
+        for entry in bucket.entries:
+            if not groups or (filled[bucket.trainable] + entry.numel > cap
+                              and filled[bucket.trainable] > 0):
+                groups.append([])
+                filled = {True: 0, False: 0}
+            groups[-1].extend(entry.names)
+            filled[bucket.trainable] += entry.numel
+    return groups
 
 
 def _on_rank0(comm: Comm, make: Callable[[], Any], what: str) -> Any:
@@ -517,8 +535,7 @@ def init(
     source_layout = plan(model, comm.world_size, buckets=buckets, trainable=trainable,
                          separate_tied=stage == 3)
     if buckets is None:
-        policy = default_buckets(stage, device, sum(
-            bucket.numel for bucket in source_layout.buckets if bucket.trainable))
+        policy = default_buckets(stage, device, source_layout)
         if policy is not None:
             source_layout = plan(model, comm.world_size, buckets=policy, trainable=trainable,
                                  separate_tied=stage == 3)

@@ -380,24 +380,45 @@ def test_ranks_building_different_layouts_are_told_what_differs(how: str, named:
         assert "trainable" not in message and "shapes" not in message
 
 
-def test_default_buckets_cap_stages_0_to_2_on_cuda_only() -> None:
-    """`init`'s default policy: on CUDA at stages 0-2 a size cap (a GPU's host cost per
-    collective outweighs finer overlap: one H200, 30M GPT, stage 1 went from 1.28x DDP's step
-    to level with it); stage 3 and every CPU stage keep `fzero.plan`'s one bucket per block."""
-    from fzero.layout import DEFAULT_BUCKET_CAP_CUDA
-    from fzero.state import STAGES, default_buckets
+def _blocks(count: int, frozen: int = 0) -> nn.Module:
+    """`count` blocks of 2048 * 2049 elements on meta (nothing allocated), the first `frozen`
+    of them frozen."""
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(count)))
+    for block in model[:frozen]:
+        block.requires_grad_(False)
+    return model
 
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert [default_buckets(stage, cpu, 10**9) for stage in STAGES] == [None] * 4
-    assert [default_buckets(stage, cuda, 10**9) for stage in STAGES] == [
-        DEFAULT_BUCKET_CAP_CUDA] * 3 + [None]
-    with torch.device("meta"):  # 20 blocks of 4.2M elements: 84M, nothing allocated
-        model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(20)))
-    per_block = fzero.plan(model, 3, separate_tied=False)
-    capped = fzero.plan(model, 3, buckets=default_buckets(1, cuda, 0), separate_tied=False)
+
+def _default_layout(model: nn.Module, stage: int, device: str) -> fzero.ShardLayout:
+    """The layout `init` plans for `model` on 2 ranks (as it does, in two passes)."""
+    from fzero.state import default_buckets
+
+    planned = fzero.plan(model, 2, separate_tied=stage == 3)
+    policy = default_buckets(stage, torch.device(device), planned)
+    return planned if policy is None else fzero.plan(model, 2, buckets=policy)
+
+
+BLOCK = 2048 * 2049
+
+
+def test_default_buckets_cap_stages_0_to_2_on_cuda_only() -> None:
+    """`init`'s default policy: on CUDA at stages 0-2 buckets of up to 2**26 elements in
+    parameter order (a GPU's host cost per collective outweighs finer overlap: one H200, 30M
+    GPT, stage 1 went from 1.28x DDP's step to level with it); stage 3 and every CPU stage
+    keep `fzero.plan`'s one bucket per block."""
+    from fzero.layout import DEFAULT_BUCKET_CAP_CUDA
+
+    model = _blocks(20)  # 84M elements
+    per_block = fzero.plan(model, 2, separate_tied=False)
     assert len(per_block.buckets) == 20
-    assert [b.numel for b in capped.buckets] == [15 * 2048 * 2049, 5 * 2048 * 2049]
-    assert all(b.numel <= DEFAULT_BUCKET_CAP_CUDA for b in capped.buckets)
+    for stage in (0, 1, 2, 3):
+        assert _default_layout(model, stage, "cpu") == per_block
+    assert _default_layout(model, 3, "cuda") == per_block
+    for stage in (0, 1):
+        sizes = [b.numel for b in _default_layout(model, stage, "cuda").buckets]
+        assert sizes == [15 * BLOCK, 5 * BLOCK]  # 16 blocks would exceed 2**26
+        assert max(sizes) <= DEFAULT_BUCKET_CAP_CUDA
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 5, 8, 20, 40])
@@ -407,19 +428,26 @@ def test_stage_2_on_cuda_holds_less_gradient_than_stage_1(blocks: int) -> None:
     flight); stage 1 holds the whole gradient. Its CUDA cap keeps half the model plus three of
     its largest buckets below the model, except where its smallest cap binds (buckets of at
     most 2**22 elements, 16 MiB in fp32: bytes a GPU does not miss)."""
-    from fzero.layout import DEFAULT_BUCKET_CAP_CUDA, STAGE2_MIN_CAP_CUDA
-    from fzero.state import default_buckets
+    from fzero.layout import STAGE2_MIN_CAP_CUDA
 
-    with torch.device("meta"):  # blocks of 4.2M elements
-        model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(blocks)))
-    numel = blocks * 2048 * 2049
-    cap = default_buckets(2, torch.device("cuda"), numel)
-    assert STAGE2_MIN_CAP_CUDA <= cap <= DEFAULT_BUCKET_CAP_CUDA
-    sizes = [b.numel for b in fzero.plan(model, 2, buckets=cap).buckets]
+    numel = blocks * BLOCK
+    sizes = [b.numel for b in _default_layout(_blocks(blocks), 2, "cuda").buckets]
     assert sum(sizes) == numel
     assert 3 * max(sizes) < numel / 2 or max(sizes) <= STAGE2_MIN_CAP_CUDA, (blocks, sizes)
     if numel >= 8 * STAGE2_MIN_CAP_CUDA:  # the eighth binds, not the smallest cap
         assert 3 * max(sizes) < numel / 2, (blocks, sizes)
+
+
+def test_stage_2_on_cuda_keeps_large_frozen_buckets() -> None:
+    """A mostly frozen model (a base with a small trainable head, as in LoRA) at stage 2: the
+    eighth of its few trainable elements caps the trainable buckets only; the frozen base stays
+    in buckets of up to 2**26 elements (cut by the trainable cap, 2**22, it would make one
+    bucket per block here, and a 7B base 1,700, each a fixed cost per step)."""
+    layout = _default_layout(_blocks(21, frozen=20), 2, "cuda")
+    frozen = [b.numel for b in layout.buckets if not b.trainable]
+    trainable = [b.numel for b in layout.buckets if b.trainable]
+    assert frozen == [15 * BLOCK, 5 * BLOCK]
+    assert sum(trainable) == BLOCK and max(trainable) <= 2**22
 
 
 @pytest.mark.cuda
@@ -432,7 +460,7 @@ def test_init_on_cuda_plans_with_the_default_policy(bare_env, stage: int) -> Non
     with fzero.distributed(backend="nccl") as comm:
         model = TinyGPT().cuda()
         state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
-    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    expected = fzero.plan(model, 1, separate_tied=stage == 3,
-                          buckets=default_buckets(stage, torch.device("cuda"), numel))
+    planned = fzero.plan(model, 1, separate_tied=stage == 3)
+    policy = default_buckets(stage, torch.device("cuda"), planned)
+    expected = planned if policy is None else fzero.plan(model, 1, buckets=policy)
     assert state.layout == expected
