@@ -4,6 +4,7 @@ here fails on its mutant (named in brackets) and passes on fzero."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -182,3 +183,175 @@ def test_stage3_recomputation_of_frozen_blocks_keeps_the_gathered_bound() -> Non
     for m in out["metrics"]:
         assert m["gathered_bytes_peak"] <= block + sum(sizes[: prefetch + 1]), (
             m["gathered_bytes_peak"], block, sizes[:2])
+
+
+class Gate(nn.Module):
+    """Owns ``scale`` and runs the child its caller picks (``a`` or ``c``) before reading it;
+    `seen` records whether ``scale``'s bucket was still gathered then."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(5) + 0.5)
+        self.a = nn.Linear(5, 5)
+        self.c = nn.Linear(5, 5)
+        self.seen: list[bool] = []
+
+    def forward(self, h: Tensor, child: int) -> Tensor:
+        h = torch.tanh((self.a if child == 0 else self.c)(h))
+        # untyped_storage() reads metadata only: it gathers nothing (residency._METADATA)
+        self.seen.append(self.scale.untyped_storage().nbytes() > 0)
+        return h * self.scale
+
+
+class GatedRoute(nn.Module):
+    """``forward(x, route)`` follows ``route[0]`` (a rank's rows carry its route): 0 and 1 run
+    ``gate`` through its child ``a`` or ``c``, 2 runs ``t`` (-1 pads a route)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        with seeded(seed):
+            self.gate = Gate()
+            self.t = nn.Linear(5, 5)
+        self.double()
+
+    def forward(self, x: Tensor, route: Tensor) -> Tensor:
+        h = x
+        for code in route[0].tolist():
+            if code in (0, 1):
+                h = self.gate(h, code)
+            elif code == 2:
+                h = torch.tanh(self.t(h))
+        return h[:, :3]
+
+
+def _gated_body(comm, model, batches, prefetch):
+    buckets = [["gate.scale"], ["gate.a.weight", "gate.a.bias"],
+               ["gate.c.weight", "gate.c.bias"], ["t.weight", "t.bias"]]
+    out = gb.train(comm, model, gb.routed_loss, batches, stage=3, opt=("sgd", gb.SGD),
+                   buckets=buckets, step_kwargs={"prefetch": prefetch})
+    return {**out, "seen": list(model.gate.seen)}
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_stage3_passing_over_a_running_modules_position_keeps_its_bucket(
+        world: int, prefetch: int) -> None:
+    """[R21: _pass ignores `active`] The first step learns the sequence gate, a, t, gate, c
+    (``gate`` runs twice, ``t`` between evicts its bucket). The next steps run ``gate`` once,
+    through ``c``: its use jumps ahead in the sequence and takes part in the positions of ``t``
+    and of ``gate``'s second use on the way. ``gate`` is still running (its bucket is active):
+    the bucket that position gathers must stay, not be released under it. Training is exact
+    either way (the guard gathers ``scale`` again when read)."""
+    data = gb.routed_batches([[[0, 2, 1]] * world, [[1, 2]] * world, [[1, 2]] * world])
+    want = gb.reference(GatedRoute(), gb.routed_loss, data, gb.torch_sgd, world=world)
+    for out in fzero.SimWorld(world).run(_gated_body, GatedRoute(), data, prefetch):
+        gb.assert_parity(out, want)
+        assert out["seen"] == [True] * 4, out["seen"]
+
+
+class Chain(nn.Module):
+    """``forward(x, route)`` runs ``blocks[i]`` for each i >= 0 of ``route[0]`` in order and
+    ends in the last one (no head of its own)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        with seeded(seed):
+            self.blocks = nn.ModuleList(nn.Linear(5, 5) for _ in range(2))
+        self.double()
+
+    def forward(self, x: Tensor, route: Tensor) -> Tensor:
+        h = x
+        for index in route[0].tolist():
+            if index >= 0:
+                h = torch.tanh(self.blocks[index](h))
+        return h[:, :3]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("world", [1, 2])
+def test_stage3_carries_the_last_bucket_the_sequence_uses_again(
+        world: int, prefetch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[R21: _pass ignores `current`] Step 1 runs blocks 0, 1, 0, 1: forward's sequence ends
+    with block 1's bucket twice. Step 2 runs blocks 0, 1: forward ends in block 1's first
+    position, and finishing the phase takes part in the positions left, block 1's second one
+    among them. That gather lands in the bucket this rank just used, which it still holds:
+    keeping it, every rank reports it held and backward (which starts with block 1) does not
+    gather it again (`carried`). Releasing it there leaves nothing to carry."""
+    import fzero.residency
+
+    decisions: list[tuple[int, ...]] = []
+    real_carried = fzero.residency.carried
+
+    def recorded(headers, following):
+        decisions.append(carry := real_carried(headers, following))
+        return carry
+
+    monkeypatch.setattr(fzero.residency, "carried", recorded)
+    data = gb.routed_batches([[[0, 1, 0, 1]] * world, [[0, 1]] * world])
+    want = gb.reference(Chain(), gb.routed_loss, data, gb.torch_sgd, world=world)
+    outs = fzero.SimWorld(world).run(gb.train, Chain(), gb.routed_loss, data, stage=3,
+                                     opt=("sgd", gb.SGD), step_kwargs={"prefetch": prefetch})
+    for out in outs:
+        gb.assert_parity(out, want)
+    # one decision per rank per step; the first step (rounds only) carries nothing
+    assert len(decisions) == 2 * world, decisions
+    block1 = next(i for i, b in enumerate(outs[0]["layout"].buckets)
+                  if "blocks.1.weight" in b.names)
+    assert all(d[:1] == (block1,) for d in decisions[world:]), decisions
+
+
+class ShiftAfterChildren(nn.Module):
+    """A root that owns ``shift`` (its bucket needed first) and adds it after three children
+    have run; the addition saves nothing for backward, which starts with ``c``."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        with seeded(seed):
+            self.shift = nn.Parameter(torch.rand(5))
+            self.a = nn.Linear(5, 5)
+            self.b = nn.Linear(5, 5)
+            self.c = nn.Linear(5, 5)
+        self.double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))) + self.shift
+
+
+def _shift_body(comm, model, batches):
+    buckets = [["shift"], ["a.weight", "a.bias"], ["b.weight", "b.bias"], ["c.weight", "c.bias"]]
+    state = fzero.init(model, stage=3, optimizer=fzero.optim.sgd(**gb.SGD), comm=comm,
+                       buckets=buckets)
+    step = fzero.make_train_step(model, gb.mse_loss, prefetch=0)
+    losses, orders, gathered = [], [], []
+    for batch in batches:
+        state, m = step(state, gb.rank_rows(batch, comm.rank, comm.world_size))
+        losses.append(m["loss"])
+        orders.append(state.bucket_order)
+        gathered.append(m["comm_bytes_by_kind"]["all_gather"])
+    return {"losses": losses, "params": fzero.full_params(state), "orders": orders,
+            "gathered": gathered,
+            "bucket_bytes": [b.padded_numel * 8 for b in state.layout.buckets]}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_stage3_a_read_of_a_bucket_in_use_is_no_new_use(world: int) -> None:
+    """[R24: a use that jumps ahead in the sequence leaves its bucket `fresh`] With prefetch 0
+    every forward use gathers its position then. ``shift``'s bucket, used first, stays gathered
+    while the root runs its children; reading ``shift`` after them is no new use: forward's
+    sequence stays shift, a, b, c, and forward ends in ``c``, which backward starts with and
+    keeps (``a`` gets no input gradient: backward never reads its weight). Counting the read as
+    a use (the bucket still marked as a position's gather not used since) adds a position to
+    every later forward, and ends forward in ``shift``'s bucket, which backward does not start
+    with: two more gathers per step."""
+    data = gb.mse_batches(3, d_out=5, d_in=5)
+    want = gb.reference(ShiftAfterChildren(), gb.mse_loss, data, gb.torch_sgd)
+    for out in fzero.SimWorld(world).run(_shift_body, ShiftAfterChildren(), data):
+        gb.assert_parity(out, want)
+        for order in out["orders"]:
+            assert (tuple(order.forward), tuple(order.backward)) == ((0, 1, 2, 3), (3, 2)), (
+                order)
+        # after the first step: forward gathers every bucket once, backward b again (c is
+        # kept from forward); ring accounting charges (N - 1) / N of each
+        sizes = out["bucket_bytes"]
+        want_bytes = (sum(sizes) + sizes[2]) * (world - 1) // world
+        assert out["gathered"][1:] == [want_bytes] * 2, (out["gathered"], want_bytes)
