@@ -725,17 +725,16 @@ def _written_through_data(state: ShardState, written: Sequence[int]) -> ValueErr
         f"p.data.clamp_(...) in forward): {why}")
 
 
-def _written_apart_from_master(state: ShardState) -> list[int]:
+def _apart_from_master(state: ShardState) -> list[int]:
     """Stages 0-2: the trainable buckets whose parameters differ, in this rank's part, from
     their master copy cast to the parameters' dtype. The parameters are that cast after every
     update, so a difference is a write through ``.data`` (which no version counter shows),
     and the update would drop it. A read of the rank's part of each bucket with a separate
-    master copy, one device-to-host copy for all of them. Not before the first update:
-    `init` casts both from the module's values, and a float64 module's values cast to float32
-    and then to bfloat16 may differ from the same values cast to bfloat16 (or float32 ones
-    from their float16 master), so a state at step 0 is not checked."""
-    if state.step == 0:
-        return []
+    master copy, one device-to-host copy for all of them. Before the first update a
+    difference may be `init`'s: it casts both from the module's values, and a float64
+    module's values cast to float32 and then to bfloat16 may differ from the same values cast
+    to bfloat16 (or float32 ones from their float16 master); a step at step 0 compares with
+    what it found before forward (`_ReplicatedSession`)."""
     differs: list[tuple[int, Tensor]] = []
     for index, bucket in enumerate(state.layout.buckets):
         master, params = state.master[index], state.params[index]
@@ -942,9 +941,11 @@ class _ReplicatedSession:
     @property
     def written(self) -> list[int]:
         """Buckets whose parameters forward wrote through ``.data`` where the write would be
-        lost: those with a master copy apart from the parameters (`_written_apart_from_master`).
-        Elsewhere such a write lands in the state, as in torch."""
-        return _written_apart_from_master(self.state)
+        lost: those with a master copy apart from the parameters (`_apart_from_master`), apart
+        before forward only if `init` made them so. Elsewhere such a write lands in the state,
+        as in torch."""
+        return [index for index in _apart_from_master(self.state)
+                if index not in self.apart_at_init]
 
     def __init__(
         self, state: ShardState, streams: SideStreams | None, gate: Callable[[], None],
@@ -953,6 +954,10 @@ class _ReplicatedSession:
         layout, stage = state.layout, state.stage
         self.state = state
         self.streams = streams
+        # Before the first update the parameters may differ from their master's cast by
+        # init's casts (see `_apart_from_master`): those buckets are not checked (one more
+        # device-to-host copy, at step 0 only).
+        self.apart_at_init = set(_apart_from_master(state)) if state.step == 0 else set()
         leaves.begin()
         self.bound = leaves
         self.leaves = leaves.leaves

@@ -914,13 +914,14 @@ def _clamped_outcome(comm: Any, *, stage: int, param_dtype: torch.dtype | None,
     step = fzero.make_train_step(model, lambda call, x: call(x).float().pow(2).mean())
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(comm.rank))
     errors = []
-    for _ in range(2):
+    for call in range(2):
         before = fzero.full_params(state, master=True)
         try:
             state, _ = step(state, x.to(param_dtype or torch.float32))
         except ValueError as error:
             after = fzero.full_params(state, master=True)
-            errors.append((str(error), all(torch.equal(after[n], v) for n, v in before.items())))
+            errors.append((call, str(error),
+                           all(torch.equal(after[n], v) for n, v in before.items())))
     return {"errors": errors, "weight": fzero.full_params(state, master=True)["a.weight"]}
 
 
@@ -933,17 +934,19 @@ def test_a_write_through_data_is_kept_or_raises_when_a_master_copy_would_drop_it
     the parameters (bfloat16 parameters, float32 master), the update recomputed the
     parameters from the master copy and the clamp was dropped, silently (the weight kept
     its 0.35). Every rank raises instead, naming the bucket, before the update: the master
-    copy is unchanged (the parameters hold the write, and the error says so). From the
-    second step on: before the first update the parameters are not yet their master's cast
-    (`init` casts both from the module's values), so the first step's write is not seen."""
+    copy is unchanged (the parameters hold the write, and the error says so). Also on the
+    very first step (``later=False``), which compares with what it found before forward
+    (`init` casts both from the module's values, which need not make the parameters their
+    master's cast): it used to go unchecked. A retry of that step after its error sees the
+    write it left as init's and is not checked (the error says to rebuild the state)."""
     for out in fzero.SimWorld(2).run(_clamped_outcome, stage=stage, param_dtype=None,
                                      later=later):
         assert out["errors"] == []
         assert float(out["weight"].abs().max()) == pytest.approx(0.05)
     for out in fzero.SimWorld(2).run(_clamped_outcome, stage=stage,
                                      param_dtype=torch.bfloat16, later=later):
-        assert len(out["errors"]) == 1, out["errors"]  # step 2's (step 1 is not checked)
-        for message, unchanged in out["errors"]:
+        assert [call for call, _, _ in out["errors"]] == [1 if later else 0], out["errors"]
+        for _, message, unchanged in out["errors"]:
             assert "parameters of buckets ['a'] were written during the step" in message
             assert "master copy" in message and "rebuild the state" in message
             assert unchanged
