@@ -383,6 +383,8 @@ class Residency:
                 if not torch.equal(bits(self.full[index][lo:hi]), bits(self.shards[index])):
                     self.written.add(index)
             storage = self.full[index].untyped_storage()
+            if storage.is_shared():  # resized to 0 and back, it crashes the process (torch)
+                raise RuntimeError(_SHARED_HELP.format(label=self.layout.buckets[index].label))
             self.by_pointer.pop(storage.data_ptr(), None)
             storage.resize_(0)
             self.allocated.discard(index)
@@ -760,6 +762,15 @@ def backward_under_guard(loss: Tensor) -> None:
         accumulate_grad=True,
     )
 
+
+_SHARED_HELP = (
+    "stage 3: forward moved bucket {label!r}'s gathered parameters into shared memory "
+    "(Module.share_memory() or Tensor.share_memory_()): stage 3 frees each bucket's memory "
+    "after its use and allocates it again, which torch cannot do for a shared storage (the "
+    "process crashes). Drop that call from forward: a stage-3 state keeps the parameters in "
+    "fzero's shards (to hand a model to other processes, share fzero.full_params(state) or "
+    "a checkpoint), or train at stage 0-2"
+)
 
 _SAVED_HOOKS_REFUSED = "don't yet support saved tensor hooks"
 """Part of torch's error when ``torch.func.grad`` (vjp, jacrev, hessian) runs under

@@ -424,8 +424,8 @@ def make_eval_step(
 
     def _evaluate(state: ShardState, batch: Any, problem: Exception | None,
                   named: dict[str, Tensor]) -> Any:
-        buffers = {name: b.clone() for name, b in state.buffers.items()}
         if state.stage < 3:
+            buffers = {name: b.clone() for name, b in state.buffers.items()}
             leaves = [entry_views(flat, bucket)
                       for flat, bucket in zip(state.params, state.layout.buckets, strict=True)]
             views = _views(leaves)
@@ -437,8 +437,10 @@ def make_eval_step(
                 raise _replaced_data(replaced)
             return out
         # Under the caller's torch.inference_mode too: the gathered buffers and leaves are
-        # kept for the next step, so they may not become inference tensors.
+        # kept for the next step, so they may not become inference tensors; nor may the
+        # buffers' copies, which forward may update in place (BatchNorm in train mode).
         with torch.inference_mode(False), torch.no_grad():
+            buffers = {name: b.clone() for name, b in state.buffers.items()}
             control = state.config.comm.channel(_CONTROL, host=True)
             agree_header(control, _header(state, 0 if problem else 1, kind=1),
                          what="eval step", own=problem)
@@ -689,8 +691,10 @@ def _replaced_data(replaced: Sequence[str]) -> ValueError:
     or an eval step: torch's module would keep the new data, the state does not."""
     return ValueError(
         f"forward replaced the data of parameters {list(replaced[:5])} (`p.data = ...`, or "
-        f"`module.to(dtype)` / `.float()` inside forward, which does that, as does an RNN's "
-        f"flatten_parameters() on CUDA: drop that call, a speed hint): the tensor "
+        f"`module.to(dtype)` / `.float()` inside forward, which does that, as do "
+        f"`module.to(memory_format=...)`, convert_conv2d_weight_memory_format and an RNN's "
+        f"flatten_parameters() on CUDA: drop those calls, speed hints that a state's flat, "
+        f"contiguous buckets cannot keep): the tensor "
         f"a step binds for a parameter is a view of the state's memory, and one given "
         f"new data no longer is, so the new values (or dtype) would be lost and later "
         f"steps would read stale ones. Write in place instead (`p.data.copy_(...)` "
@@ -900,21 +904,31 @@ class _LeafCache:
             self._leaves = self._watch = None
 
 
-def _views(leaves: Sequence[Sequence[Tensor]]) -> list[list[tuple[int, torch.dtype]]]:
-    """Where each leaf's data is, and its dtype, per bucket (for `_replaced`)."""
-    return [[(leaf.data_ptr(), leaf.dtype) for leaf in bucket_leaves] for bucket_leaves in leaves]
+_View = tuple[int, int, torch.dtype]
+
+
+def _view(leaf: Tensor) -> _View:
+    """Which storage `leaf` views, where in it, and its dtype. The storage object, not the
+    address: ``share_memory_()`` moves a storage's bytes in place (a new ``data_ptr()``, the
+    same storage)."""
+    return leaf.untyped_storage()._cdata, leaf.storage_offset(), leaf.dtype
+
+
+def _views(leaves: Sequence[Sequence[Tensor]]) -> list[list[_View]]:
+    """`_view` of each leaf, per bucket (for `_replaced`)."""
+    return [[_view(leaf) for leaf in bucket_leaves] for bucket_leaves in leaves]
 
 
 def _replaced(layout: ShardLayout, leaves: Sequence[Sequence[Tensor]],
-              views: Sequence[Sequence[tuple[int, torch.dtype]]]) -> list[str]:
+              views: Sequence[Sequence[_View]]) -> list[str]:
     """The parameters whose leaf no longer has the data `views` recorded: forward replaced it
     (``p.data = ...``, or ``module.to(dtype)`` inside forward, which does that)."""
     return [entry.name
             for bucket, bucket_leaves, bucket_views in zip(layout.buckets, leaves, views,
                                                            strict=True)
-            for entry, leaf, (pointer, dtype) in zip(bucket.entries, bucket_leaves,
-                                                     bucket_views, strict=True)
-            if leaf.dtype != dtype or leaf.data_ptr() != pointer]
+            for entry, leaf, view in zip(bucket.entries, bucket_leaves, bucket_views,
+                                         strict=True)
+            if _view(leaf) != view]
 
 
 def _toggled(layout: ShardLayout, leaves: Sequence[Sequence[Tensor]]) -> list[str]:

@@ -12,6 +12,8 @@ apart (`test_simworld_copies_*`).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -239,6 +241,8 @@ class Renormed(nn.Module):
                 self.lin.to(torch.float32)
             elif self.mode == "to-own-dtype":  # a no-op conversion
                 self.lin.to(torch.float64)
+            elif self.mode == "share":  # moves each storage's bytes in place
+                self.share_memory()
         return self.lin(x.to(self.lin.weight.dtype)).double()
 
 
@@ -278,6 +282,82 @@ def test_an_eval_forward_that_gives_a_parameter_new_data_raises(stage, mode):
 
     losses = fzero.SimWorld(2).run(body)
     assert all(loss > 0 for loss in losses)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_forward_that_moves_parameters_to_shared_memory_replaces_nothing(stage):
+    """``share_memory()`` in forward moves each storage's bytes into shared memory in place:
+    the tensors a step binds still view the state's storage, at a new address. Stages 0-2
+    compared addresses and raised "replaced the data" in every train and eval step (a
+    probe). Two train steps equal torch's SGD with the same forward, and an eval after them
+    its loss."""
+    reference = Renormed()
+    reference.mode = "share"
+    want = _torch_sgd(reference, 2)
+    want_loss = float(_loss(reference, _batch(5)).detach())
+
+    def body(comm):
+        model = Renormed()
+        model.mode = "share"
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        step = fzero.make_train_step(model, _loss)
+        for i in range(2):
+            state, _ = step(state, _rows(comm, _batch(i)))
+        loss = fzero.make_eval_step(model, _loss)(state, _batch(5))
+        return fzero.full_params(state), float(loss)
+
+    for got, loss in fzero.SimWorld(2).run(body):
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
+        assert loss == pytest.approx(want_loss, rel=1e-12)
+
+
+def test_stage_3_refuses_a_forward_that_moves_parameters_to_shared_memory():
+    """At stage 3 ``share_memory()`` in forward moved a gathered bucket's storage into shared
+    memory, which stage 3 then freed (resized to 0) and allocated again: the process died of
+    a segmentation fault in the next step (torch cannot resize a shared storage back; a
+    probe). Every rank raises instead, in train and eval steps, and the state is unchanged;
+    with the call dropped, steps train exactly."""
+    _raises_then_trains_exactly(Renormed, 3, "moved bucket .* into shared memory",
+                                switch="mode", bad="share", fixed="none")
+
+    def body(comm):
+        model = Renormed()
+        state = fzero.init(model, stage=3, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        model.mode = "share"
+        with pytest.raises((RuntimeError, fzero.StepError), match="shared memory"):
+            fzero.make_eval_step(model, _loss)(state, _batch(5))
+        model.mode = "none"
+        return float(fzero.make_eval_step(model, _loss)(state, _batch(5)))
+
+    want = float(_loss(Renormed(), _batch(5)).detach())
+    for loss in fzero.SimWorld(2).run(body):
+        assert loss == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_eval_step_under_inference_mode_may_update_buffers_in_place(stage):
+    """An eval step under ``torch.inference_mode()`` whose forward updates a buffer in place
+    (BatchNorm left in train mode counts its batches): stage 3 computes outside the caller's
+    inference mode but copied the buffers inside it, so the update raised "Inplace update to
+    inference tensor outside InferenceMode" (a probe). The output equals torch's, and the
+    state's buffers stay as they were (an eval step changes no state)."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with torch.no_grad():
+        want = copy.deepcopy(model)(x)
+
+    def body(comm, model):
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        before = {name: b.clone() for name, b in state.buffers.items()}
+        with torch.inference_mode():
+            out = fzero.make_eval_step(model, lambda call, b: call(b))(state, x)
+        assert all(torch.equal(state.buffers[n], b) for n, b in before.items())
+        return out.clone()
+
+    for out in fzero.SimWorld(2).run(body, model):
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
 
 
 def _raises_then_trains_exactly(build, stage: int, match: str, *, switch: str = "",
