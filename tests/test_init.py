@@ -450,6 +450,37 @@ def test_stage_2_on_cuda_keeps_large_frozen_buckets() -> None:
     assert sum(trainable) == BLOCK and max(trainable) <= 2**22
 
 
+def test_init_plans_with_the_policy_default_buckets_names(monkeypatch) -> None:
+    """`init`'s wiring of `default_buckets`, on CPU (where the real one names no policy): a
+    policy it names is the layout `init` builds, from the layout it was given; given
+    ``buckets=``, it is not asked."""
+    import fzero.state
+
+    asked = []
+
+    def one_bucket_each(stage, device, planned):
+        asked.append((stage, device.type, [b.label for b in planned.buckets]))
+        return [list(entry.names) for bucket in planned.buckets for entry in bucket.entries]
+
+    monkeypatch.setattr(fzero.state, "default_buckets", one_bucket_each)
+
+    def body(comm):
+        model = TinyGPT()
+        state = fzero.init(model, stage=2, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+        given = fzero.init(model, stage=2, optimizer=fzero.optim.sgd(lr=0.1), comm=comm,
+                           buckets=10**6)
+        return state.layout, given.layout
+
+    [(layout, given)] = fzero.SimWorld(1).run(body)
+    model = TinyGPT()
+    assert asked == [(2, "cpu", [b.label for b in fzero.plan(model, 1, separate_tied=False)
+                                 .buckets])]
+    assert layout == fzero.plan(model, 1, buckets=one_bucket_each(2, torch.device("cpu"),
+                                                                  fzero.plan(model, 1)))
+    assert len(layout.buckets) == len(list(model.parameters()))  # (a tie is one parameter)
+    assert given == fzero.plan(model, 1, buckets=10**6, separate_tied=False)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("stage", [1, 2, 3])
