@@ -780,6 +780,11 @@ class _Leaves:
         self.completion = Completion(layout, self.leaves, lambda index: None)
         self.completion.stop()  # until a step `restart`s it
         self._views = _views(self.leaves)
+        # Before the first update the parameters may differ from their master's cast by
+        # init's casts (see `_apart_from_master`): those buckets are not checked at step 0.
+        # Taken once for the state's tensors (one more device-to-host copy), so that a retry
+        # of a step 0 that raised still sees the write it left.
+        self.apart_at_init = frozenset(_apart_from_master(state) if state.step == 0 else ())
 
     def replaced(self) -> list[str]:
         """The parameters whose leaf no longer views its flat buffer: forward replaced its data
@@ -968,10 +973,7 @@ class _ReplicatedSession:
         layout, stage = state.layout, state.stage
         self.state = state
         self.streams = streams
-        # Before the first update the parameters may differ from their master's cast by
-        # init's casts (see `_apart_from_master`): those buckets are not checked (one more
-        # device-to-host copy, at step 0 only).
-        self.apart_at_init = set(_apart_from_master(state)) if state.step == 0 else set()
+        self.apart_at_init = leaves.apart_at_init if state.step == 0 else frozenset()
         leaves.begin()
         self.bound = leaves
         self.leaves = leaves.leaves
