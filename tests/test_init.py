@@ -7,11 +7,14 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fzero
 from fzero.simworld import SimWorldError
+from fzero.testing import worlds_and_trees
 
 from models import TinyGPT, per_block
 
@@ -495,3 +498,42 @@ def test_init_on_cuda_plans_with_the_default_policy(bare_env, stage: int) -> Non
     policy = default_buckets(stage, torch.device("cuda"), planned)
     expected = planned if policy is None else fzero.plan(model, 1, buckets=policy)
     assert state.layout == expected
+
+
+@given(worlds_and_trees(work_bound=400), st.sampled_from([0, 1, 2, 3]),
+       st.integers(1, 3000), st.integers(1, 64))
+def test_default_buckets_properties(world_and_spec, stage: int, cap: int, floor: int) -> None:
+    """`default_buckets` on any parameter set (ties, mixed dtypes, frozen and trainable, empty
+    and 0-d tensors), with its caps shrunk to the tree's scale: on CUDA at stages 0-2 its
+    groups name every parameter once, keep the order of each kind (trainability and dtype, as
+    `plan` splits a group), and plan; a bucket of more than one non-empty parameter holds at
+    most its kind's cap (stage 2's trainable: an eighth of the trainable elements within [floor,
+    cap]). CPU and stage 3: no policy."""
+    from unittest import mock
+
+    import fzero.state
+    from fzero.state import default_buckets
+
+    world, spec = world_and_spec
+    params = spec.build()
+    planned = fzero.plan(params, world, separate_tied=stage == 3)
+    assert default_buckets(stage, torch.device("cpu"), planned) is None
+    with mock.patch.object(fzero.state, "DEFAULT_BUCKET_CAP_CUDA", cap), \
+            mock.patch.object(fzero.state, "STAGE2_MIN_CAP_CUDA", min(floor, cap)):
+        groups = default_buckets(stage, torch.device("cuda"), planned)
+        if stage == 3:
+            assert groups is None
+            return
+        names = [name for bucket in planned.buckets for name in bucket.names]
+        assert sorted(name for group in groups for name in group) == sorted(names)
+        layout = fzero.plan(params, world, buckets=groups)
+        kinds = {(b.trainable, b.dtype) for b in planned.buckets}
+        for kind in kinds:
+            order = [[e.name for b in lay.buckets if (b.trainable, b.dtype) == kind
+                      for e in b.entries] for lay in (planned, layout)]
+            assert order[0] == order[1], kind
+        trainable = sum(b.numel for b in planned.buckets if b.trainable)
+        trainable_cap = cap if stage < 2 else min(cap, max(min(floor, cap), -(-trainable // 8)))
+        for bucket in layout.buckets:  # (one parameter larger than a cap has it to itself)
+            if sum(1 for entry in bucket.entries if entry.numel) > 1:
+                assert bucket.numel <= (trainable_cap if bucket.trainable else cap), bucket
