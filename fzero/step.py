@@ -737,8 +737,8 @@ def _apart_from_master(state: ShardState) -> list[int]:
     master copy, one device-to-host copy for all of them. Before the first update a
     difference may be `init`'s: it casts both from the module's values, and a float64
     module's values cast to float32 and then to bfloat16 may differ from the same values cast
-    to bfloat16 (or float32 ones from their float16 master); a step at step 0 compares with
-    what it found before forward (`_ReplicatedSession`)."""
+    to bfloat16 (or float32 ones from their float16 master); a step at step 0 leaves out the
+    buckets apart before the state's first forward (`_Leaves.apart_at_init`)."""
     differs: list[tuple[int, Tensor]] = []
     for index, bucket in enumerate(state.layout.buckets):
         master, params = state.master[index], state.params[index]
