@@ -35,6 +35,7 @@ __all__ = [
     "all_finite",
     "bits",
     "bucket_shards",
+    "checksum",
     "entry_views",
     "flatten",
     "shard",
@@ -193,6 +194,25 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     bit patterns, so NaN equals the same NaN and -0.0 differs from 0.0 (and an integer
     compare is several times faster than one over bytes)."""
     return tensor.view(_INTEGER_OF_WIDTH.get(tensor.element_size(), torch.uint8))
+
+
+_CHECKSUM_CHUNK = 1 << 20
+
+
+def checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 summary of a 1-D tensor's bits, on its device: the sum over elements of
+    their bit pattern (`bits`) times ``2 * position + 1``, modulo 2**64. The weight is odd, so
+    a change to any one element always changes it; swaps and sign flips do too but for
+    coincidences. For comparing a tensor with itself later, cheaply: computed in chunks of
+    2**20 elements, so it allocates at most that many int64s at a time."""
+    flat = bits(tensor.detach().reshape(-1))
+    total = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    for start in range(0, flat.numel(), _CHECKSUM_CHUNK):
+        part = flat[start:start + _CHECKSUM_CHUNK].to(torch.int64)
+        weights = torch.arange(2 * start + 1, 2 * (start + part.numel()), 2,
+                               dtype=torch.int64, device=tensor.device)
+        total += (part * weights).sum()
+    return total
 
 
 def bucket_shards(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:

@@ -40,7 +40,7 @@ from fzero.bound import (
     same_values,
 )
 from fzero.comm import Comm, check_comm, fingerprint_check
-from fzero.flat import all_finite, flatten, shard_view
+from fzero.flat import all_finite, bits, checksum, flatten, shard_view
 from fzero.layout import (
     DEFAULT_BUCKET_CAP_CUDA,
     STAGE2_MIN_BUCKETS,
@@ -68,8 +68,10 @@ __all__ = [
     "check_reduce_dtype",
     "clone_state",
     "init",
+    "lost_writes",
     "state_bytes",
     "state_bytes_theory",
+    "with_uncast",
 ]
 
 STAGES = (0, 1, 2, 3)
@@ -185,6 +187,13 @@ class ShardState:
     parameter whose grad is None); None while every entry received `step` updates."""
     skipped: int = 0
     """Steps skipped in a row because the gradients were not finite (0 after a good step)."""
+    uncast: tuple[tuple[int, int], ...] = ()
+    """Stages 0-2: the trainable buckets whose parameters, in this rank's part, were not their
+    master copy's cast when the state was built (`init`'s or `fzero.load`'s own casts: a
+    float16 master under float32 parameters, a float64 module's values cast to a float32
+    master and to bfloat16 parameters, a checkpoint loaded with a narrower master_dtype), each
+    with the `fzero.flat.checksum` of that part then. Empty after the first update, which
+    makes every parameter its master's cast (`lost_writes` relies on both)."""
     lease: Lease = field(default_factory=Lease, compare=False, repr=False)
 
     @property
@@ -196,6 +205,59 @@ class ShardState:
     def rank(self) -> int:
         """This rank."""
         return self.config.comm.rank
+
+
+def _apart_from_master(state: ShardState) -> list[int]:
+    """Stages 0-2: the trainable buckets whose parameters differ, in this rank's part, from
+    their master copy cast to the parameters' dtype (those with a separate master copy only).
+    A read of the rank's part of each such bucket, one device-to-host copy for all of them."""
+    if state.stage == 3:
+        return []
+    differs: list[tuple[int, Tensor]] = []
+    for index, bucket in enumerate(state.layout.buckets):
+        master, params = state.master[index], state.params[index]
+        if master is None or (master.untyped_storage().data_ptr()
+                              == params.untyped_storage().data_ptr()):
+            continue  # no master, or the parameters are the master copy
+        mine = shard_view(params, bucket, state.rank)
+        kept = shard_view(master, bucket, state.rank) if state.stage == 0 else master
+        differs.append((index, torch.ne(bits(mine), bits(kept.to(mine.dtype))).any()))
+    if not differs:
+        return []
+    flags = torch.stack([flag for _, flag in differs]).tolist()
+    return [index for (index, _), flag in zip(differs, flags, strict=True) if flag]
+
+
+def _own_checksums(state: ShardState, indices: Sequence[int]) -> list[int]:
+    """`fzero.flat.checksum` of this rank's part of the parameters of buckets `indices`."""
+    if not indices:
+        return []
+    sums = [checksum(shard_view(state.params[i], state.layout.buckets[i], state.rank))
+            for i in indices]
+    return torch.stack(sums).tolist()
+
+
+def with_uncast(state: ShardState) -> ShardState:
+    """`state` with `ShardState.uncast` taken from its tensors now: for a state just built
+    (`init`, `fzero.load`), before any step or write."""
+    apart = _apart_from_master(state)
+    return dataclasses.replace(
+        state, uncast=tuple(zip(apart, _own_checksums(state, apart), strict=True)))
+
+
+def lost_writes(state: ShardState) -> list[int]:
+    """Stages 0-2: the trainable buckets whose parameters were written, in this rank's part,
+    where the next update would drop the write: those with a separate master copy, which the
+    update casts the parameters from. A write through ``.data`` shows in no version counter,
+    so the parameters are compared with their master's cast (which they are after every
+    update), and those of `ShardState.uncast` buckets with their checksum instead. One
+    device-to-host copy, two where the state has `uncast` buckets (before its first update)."""
+    known = dict(state.uncast)
+    written = [index for index in _apart_from_master(state) if index not in known]
+    sums = _own_checksums(state, list(known))
+    written += [index for (index, was), now in zip(known.items(), sums, strict=True)
+                if now != was]
+    return sorted(written)
 
 
 def check_reduce_dtype(reduce_dtype: torch.dtype | None, layout: ShardLayout) -> None:
@@ -382,20 +444,20 @@ def _flatten_state(state: ShardState) -> tuple[list[Any], Any]:
         state.buffers,
     ]
     context = (state.layout, state.stage, state.step, state.config, state.loss_scale,
-               state.bucket_order, state.param_steps, state.skipped, present,
+               state.bucket_order, state.param_steps, state.skipped, state.uncast, present,
                _Origin(state.lease, _updated(state.params, state.master, state.moments)))
     return children, context
 
 
 def _unflatten_state(children: Any, context: Any) -> ShardState:
     params, grads, master, moments, buffers = children
-    (layout, stage, step, config, loss_scale, bucket_order, param_steps, skipped, present,
-     origin) = context
+    (layout, stage, step, config, loss_scale, bucket_order, param_steps, skipped, uncast,
+     present, origin) = context
     master, moments = _absent(master, present), {
         name: _absent(values, present) for name, values in moments.items()}
     return ShardState(
         layout, stage, step, tuple(params), _absent(grads, present), master, moments,
-        dict(buffers), config, loss_scale, bucket_order, param_steps, skipped,
+        dict(buffers), config, loss_scale, bucket_order, param_steps, skipped, uncast,
         lease=origin.lease_for(_updated(params, master, moments)),
     )
 
@@ -597,10 +659,10 @@ def init(
                          buffer_aliases(model))
     float16 = any(b.trainable and b.torch_dtype == torch.float16 for b in layout.buckets)
     loss_scale = LossScale() if float16 else None  # however the model got to float16
-    return ShardState(
+    return with_uncast(ShardState(
         layout, stage, 0, tuple(params), tuple(grads), tuple(master), moments, buffers, config,
         loss_scale,
-    )
+    ))
 
 
 def state_bytes(state: ShardState) -> int:

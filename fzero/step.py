@@ -65,7 +65,7 @@ from fzero.consensus import (
     exchange_statistics,
     float_bits,
 )
-from fzero.flat import alias_leaves, all_finite, bits, entry_views, shard_view, unflatten
+from fzero.flat import alias_leaves, all_finite, entry_views, shard_view, unflatten
 from fzero.layout import ShardLayout
 from fzero.optim import Schedule, clip_coefficient
 from fzero.residency import (
@@ -81,6 +81,7 @@ from fzero.state import (
     Lease,
     ShardState,
     check_live,
+    lost_writes,
     state_bytes,
     state_bytes_theory,
     trainable_only,
@@ -352,6 +353,7 @@ def make_train_step(
             buffers=buffers_now,
             param_steps=param_steps,
             skipped=0 if finite else state.skipped + 1,
+            uncast=() if finite else state.uncast,  # the update cast every parameter
             lease=Lease(),
         )
         state.lease.consumed_by, state.lease.updating = next_step, False
@@ -435,6 +437,9 @@ def make_eval_step(
             replaced = _replaced(state.layout, leaves, views)
             if replaced:  # torch's module would keep the new data; the state would not
                 raise _replaced_data(replaced)
+            written = lost_writes(state)
+            if written:  # the next update would drop it
+                raise _written_through_data(state, written)
             return out
         # Under the caller's torch.inference_mode too: the gathered buffers and leaves are
         # kept for the next step, so they may not become inference tensors; nor may the
@@ -729,31 +734,6 @@ def _written_through_data(state: ShardState, written: Sequence[int]) -> ValueErr
         f"p.data.clamp_(...) in forward): {why}")
 
 
-def _apart_from_master(state: ShardState) -> list[int]:
-    """Stages 0-2: the trainable buckets whose parameters differ, in this rank's part, from
-    their master copy cast to the parameters' dtype. The parameters are that cast after every
-    update, so a difference is a write through ``.data`` (which no version counter shows),
-    and the update would drop it. A read of the rank's part of each bucket with a separate
-    master copy, one device-to-host copy for all of them. Before the first update a
-    difference may be `init`'s: it casts both from the module's values, and a float64
-    module's values cast to float32 and then to bfloat16 may differ from the same values cast
-    to bfloat16 (or float32 ones from their float16 master); a step at step 0 leaves out the
-    buckets apart before the state's first forward (`_Leaves.apart_at_init`)."""
-    differs: list[tuple[int, Tensor]] = []
-    for index, bucket in enumerate(state.layout.buckets):
-        master, params = state.master[index], state.params[index]
-        if master is None or (master.untyped_storage().data_ptr()
-                              == params.untyped_storage().data_ptr()):
-            continue  # no master, or the parameters are the master copy
-        mine = shard_view(params, bucket, state.rank)
-        kept = shard_view(master, bucket, state.rank) if state.stage == 0 else master
-        differs.append((index, torch.ne(bits(mine), bits(kept.to(mine.dtype))).any()))
-    if not differs:
-        return []
-    flags = torch.stack([flag for _, flag in differs]).tolist()
-    return [index for (index, _), flag in zip(differs, flags, strict=True) if flag]
-
-
 class _Leaves:
     """Stages 0-2: the autograd leaves a step binds for a state's tensors (one per parameter,
     aliasing its flat buffer: see `fzero.buckets`), their gradients' homes (stages 0-1: views of
@@ -780,11 +760,6 @@ class _Leaves:
         self.completion = Completion(layout, self.leaves, lambda index: None)
         self.completion.stop()  # until a step `restart`s it
         self._views = _views(self.leaves)
-        # Before the first update the parameters may differ from their master's cast by
-        # init's casts (see `_apart_from_master`): those buckets are not checked at step 0.
-        # Taken once for the state's tensors (one more device-to-host copy), so that a retry
-        # of a step 0 that raised still sees the write it left.
-        self.apart_at_init = frozenset(_apart_from_master(state) if state.step == 0 else ())
 
     def replaced(self) -> list[str]:
         """The parameters whose leaf no longer views its flat buffer: forward replaced its data
@@ -960,11 +935,9 @@ class _ReplicatedSession:
     @property
     def written(self) -> list[int]:
         """Buckets whose parameters forward wrote through ``.data`` where the write would be
-        lost: those with a master copy apart from the parameters (`_apart_from_master`), apart
-        before forward only if `init` made them so. Elsewhere such a write lands in the state,
-        as in torch."""
-        return [index for index in _apart_from_master(self.state)
-                if index not in self.apart_at_init]
+        lost: those with a master copy apart from the parameters (`fzero.state.lost_writes`).
+        Elsewhere such a write lands in the state, as in torch."""
+        return lost_writes(self.state)
 
     def __init__(
         self, state: ShardState, streams: SideStreams | None, gate: Callable[[], None],
@@ -973,7 +946,6 @@ class _ReplicatedSession:
         layout, stage = state.layout, state.stage
         self.state = state
         self.streams = streams
-        self.apart_at_init = leaves.apart_at_init if state.step == 0 else frozenset()
         leaves.begin()
         self.bound = leaves
         self.leaves = leaves.leaves

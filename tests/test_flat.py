@@ -221,3 +221,55 @@ def test_bits_compare_equal_exactly_when_the_bytes_do(values: list[float], flip:
     assert not torch.equal(bits(a), bits(b))
     assert bits(a).untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
     assert bits(a).element_size() in (a.element_size(), 1)
+
+
+def _checksum_by_hand(tensor: torch.Tensor) -> int:
+    """`checksum`'s definition in Python integers: sum of bit pattern times 2i+1, mod 2**64,
+    as a signed int64."""
+    from fzero.flat import bits
+
+    total = sum(int(b) * (2 * i + 1) for i, b in enumerate(bits(tensor).tolist())) % 2**64
+    return total - 2**64 if total >= 2**63 else total
+
+
+@given(st.lists(st.floats(allow_nan=True, width=32), min_size=0, max_size=40),
+       st.integers(0, 10_000),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                        torch.int8]),
+       st.integers(1, 9))
+def test_checksum_is_its_definition_and_sees_any_one_byte(values: list[float], flip: int,
+                                                          dtype: torch.dtype,
+                                                          chunk: int) -> None:
+    """`checksum` equals its definition computed by hand whatever the chunk size (patched
+    small, so that tensors span several chunks), is equal for equal bits, and changes when
+    any one byte changes (the weights are odd, so no single change cancels)."""
+    from unittest import mock
+
+    from fzero import flat
+
+    a = torch.tensor(values, dtype=torch.float32).to(dtype)
+    with mock.patch.object(flat, "_CHECKSUM_CHUNK", chunk):
+        got = int(flat.checksum(a))
+        assert got == _checksum_by_hand(a) == int(flat.checksum(a.clone()))
+        if a.numel():
+            b = a.clone()
+            b.view(torch.uint8)[flip % b.view(torch.uint8).numel()] ^= 1 << (flip % 8)
+            assert int(flat.checksum(b)) != got
+
+
+def test_checksum_sees_sign_flips_and_swaps_that_a_plain_sum_misses() -> None:
+    """Regression examples of why the elements are weighted: negating one positive and one
+    negative element of equal magnitude, or swapping two, leaves the plain sum of bit patterns
+    unchanged; the checksum changes. Across the real chunk size too (2**20 + 3 elements)."""
+    from fzero.flat import bits, checksum
+
+    a = torch.tensor([0.5, -0.5, 2.0, 3.0, 1.0], dtype=torch.bfloat16)
+    flipped = torch.tensor([-0.5, 0.5, 2.0, 3.0, 1.0], dtype=torch.bfloat16)
+    swapped = torch.tensor([0.5, -0.5, 3.0, 2.0, 1.0], dtype=torch.bfloat16)
+    for other in (flipped, swapped):
+        assert int(bits(other).long().sum()) == int(bits(a).long().sum())
+        assert int(checksum(other)) != int(checksum(a))
+    big = torch.randn(2**20 + 3, generator=torch.Generator().manual_seed(0))
+    before = int(checksum(big))
+    big[-1] = -big[-1]
+    assert int(checksum(big)) != before

@@ -39,7 +39,7 @@ from fzero.comm import Comm
 from fzero.layout import ShardLayout, _dtype_name, _parse_dtype
 from fzero.optim import Optimizer
 from fzero.schedule import BucketOrder
-from fzero.state import LossScale, ShardConfig, ShardState
+from fzero.state import LossScale, ShardConfig, ShardState, with_uncast
 
 __all__ = ["BUFFERS", "MASTER", "MOMENTS", "PARAMS", "Fill", "buffer_tensors", "build",
            "describe", "describe_buffers", "file_specs", "key", "shard_tensors", "stored_dtype",
@@ -263,7 +263,7 @@ def build(
         values[name] = value
     config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device,
                          requires_grad, module_versions, buffer_aliases)
-    return ShardState(
+    return with_uncast(ShardState(
         layout=layout,
         stage=stage,
         step=step,
@@ -277,7 +277,7 @@ def build(
         bucket_order=bucket_order,
         param_steps=param_steps,
         skipped=0 if fresh_optimizer else record.get("skipped", 0),
-    )
+    ))
 
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:
