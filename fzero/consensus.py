@@ -202,6 +202,7 @@ class Statistics(NamedTuple):
     nonfinite: tuple[int, ...]  # ranks that saw a non-finite loss or gradient
     mismatched: tuple[int, ...]  # ranks whose collective sequence differs from rank 0's
     used: tuple[int, ...] | None  # per trainable entry, ranks that used it; None: all, all
+    diverged: tuple[int, ...] = ()  # ranks whose parameters' fingerprint differs from rank 0's
 
 
 def exchange_statistics(
@@ -214,6 +215,7 @@ def exchange_statistics(
     nonfinite: bool,
     signatures: Sequence[int],
     used: Sequence[bool],
+    fingerprint: int = 0,
 ) -> Statistics:
     """All-gather every rank's statistics (a collective on the control channel).
 
@@ -226,14 +228,17 @@ def exchange_statistics(
         nonfinite: whether this rank saw a non-finite loss or gradient.
         signatures: the running signature of each channel this step used, in a fixed order.
         used: per trainable entry, whether this rank's backward reached it.
+        fingerprint: a 64-bit fingerprint of what every rank should hold alike (stages 0-2:
+            the full parameters, `fzero.flat.word_sum`); 0 where there is none.
 
     Returns:
         The same `Statistics` on every rank.
     """
     n = control.world_size
     all_used = all(used)
+    word = fingerprint % 2**64  # two 32-bit halves: exact in float64
     vector = [squared_norm, loss_sum, float(rows), float(failed is not None), float(nonfinite),
-              float(all_used)]
+              float(all_used), float(word >> 32), float(word & 0xFFFFFFFF)]
     for signature in signatures:
         vector += [float(signature // _HALF), float(signature % _HALF)]
     mine = torch.tensor(vector, dtype=torch.float64)
@@ -258,7 +263,7 @@ def exchange_statistics(
         flags = torch.tensor([float(u) for u in used], dtype=torch.float64)
         control.all_reduce(flags, op="sum", label="of the parameters each rank used")
         counts = tuple(int(c) for c in flags.tolist())
-    reference = table[0][6:]
+    reference = table[0][8:]
     return Statistics(
         squared_norm=sum(row[0] for row in table),
         loss_sum=sum(row[1] for row in table),
@@ -266,6 +271,7 @@ def exchange_statistics(
         failed=failed_ranks,
         messages=messages,
         nonfinite=tuple(r for r in range(n) if table[r][4]),
-        mismatched=tuple(r for r in range(n) if table[r][6:] != reference),
+        mismatched=tuple(r for r in range(n) if table[r][8:] != reference),
         used=counts,
+        diverged=tuple(r for r in range(n) if table[r][6:8] != table[0][6:8]),
     )

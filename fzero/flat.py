@@ -42,6 +42,7 @@ __all__ = [
     "shard_view",
     "unflatten",
     "unshard",
+    "word_sum",
 ]
 
 
@@ -197,21 +198,53 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _CHECKSUM_CHUNK = 1 << 20
+_MIX = (0x3F58476D1CE4E5B9, 0x14D049BB133111EB)  # odd: multiplying by one is a bijection
 
 
 def checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 summary of a 1-D tensor's bits, on its device: the sum over elements of
-    their bit pattern (`bits`) times ``2 * position + 1``, modulo 2**64. The weight is odd, so
-    a change to any one element always changes it; swaps and sign flips do too but for
-    coincidences. For comparing a tensor with itself later, cheaply: computed in chunks of
-    2**20 elements, so it allocates at most that many int64s at a time."""
+    """A 0-d int64 summary of a tensor's bits, on its device, for comparing a tensor with
+    itself later: the sum over elements of a mix of their bit pattern (`bits`, sign-extended
+    to 64 bits) times ``2 * position + 1``, modulo 2**64. The mix (two xor-shift-multiply
+    rounds, as splitmix64's finalizer) is a bijection, and the weights are odd, so a change to
+    any one element always changes the sum; it spreads a change over all 64 bits, so changes
+    to several elements (sign flips, a swap) cancel only by coincidence. Computed in chunks
+    of 2**20 elements, so it allocates at most a few such int64 buffers at a time."""
     flat = bits(tensor.detach().reshape(-1))
     total = torch.zeros((), dtype=torch.int64, device=tensor.device)
     for start in range(0, flat.numel(), _CHECKSUM_CHUNK):
-        part = flat[start:start + _CHECKSUM_CHUNK].to(torch.int64)
-        weights = torch.arange(2 * start + 1, 2 * (start + part.numel()), 2,
+        z = flat[start:start + _CHECKSUM_CHUNK].to(torch.int64)
+        for shift, factor in zip((31, 27), _MIX, strict=True):
+            z = (z ^ _shift_right(z, shift)) * factor
+        weights = torch.arange(2 * start + 1, 2 * (start + z.numel()), 2,
                                dtype=torch.int64, device=tensor.device)
-        total += (part * weights).sum()
+        total += (z * weights).sum()
+    return total
+
+
+def _shift_right(z: torch.Tensor, shift: int) -> torch.Tensor:
+    """A logical right shift of int64 `z` (torch's ``>>`` copies the sign bit)."""
+    return (z >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def word_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 fingerprint of a contiguous tensor's bytes, on its device: their sum read as
+    int64 words (a tail of fewer than 8 bytes as elements of their own width), modulo 2**64.
+    One read of the tensor and no temporary (5 ms per 100 MB on one CPU core); exact integer
+    arithmetic, so it does not depend on threads or reduction order: two tensors with the same
+    bits have the same fingerprint on any rank. Different ones differ unless their changes
+    cancel exactly: a clamp, a rescale or a fill practically never do, but a permutation of
+    the tensor's own values (``roll``) always does, and so may a shift of values balanced in
+    sign within one binade, or two sign flips of the high halves of words (`checksum` sees
+    those, at several times the cost)."""
+    flat = tensor.detach().reshape(-1)
+    aligned = flat.storage_offset() * flat.element_size() % 8 == 0
+    words = flat.numel() * flat.element_size() // 8 if aligned else 0
+    head = words * 8 // flat.element_size()
+    total = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    if head:
+        total += flat[:head].view(torch.int64).sum()
+    if head < flat.numel():
+        total += bits(flat[head:]).sum(dtype=torch.int64)
     return total
 
 

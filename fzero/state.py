@@ -40,7 +40,7 @@ from fzero.bound import (
     same_values,
 )
 from fzero.comm import Comm, check_comm, fingerprint_check
-from fzero.flat import all_finite, bits, checksum, flatten, shard_view
+from fzero.flat import all_finite, bits, checksum, flatten, shard_view, word_sum
 from fzero.layout import (
     DEFAULT_BUCKET_CAP_CUDA,
     STAGE2_MIN_BUCKETS,
@@ -69,6 +69,7 @@ __all__ = [
     "clone_state",
     "init",
     "lost_writes",
+    "params_fingerprint",
     "state_bytes",
     "state_bytes_theory",
     "with_uncast",
@@ -258,6 +259,20 @@ def lost_writes(state: ShardState) -> list[int]:
     written += [index for (index, was), now in zip(known.items(), sums, strict=True)
                 if now != was]
     return sorted(written)
+
+
+def params_fingerprint(state: ShardState) -> Tensor | None:
+    """Stages 0-2 over several ranks: a 0-d int64 fingerprint of this rank's full parameters
+    (the `fzero.flat.word_sum` of every bucket, added), on their device; None at stage 3 or
+    one rank. Every rank holds the same full parameters from `init` and after every update,
+    so fingerprints that differ show a write that bypassed autograd (through ``.data``)
+    reaching some ranks' copies only. One read of the parameters (Ψ elements)."""
+    if state.stage == 3 or state.config.comm.world_size == 1:
+        return None
+    total = torch.zeros((), dtype=torch.int64, device=state.params[0].device)
+    for params in state.params:
+        total += word_sum(params)
+    return total
 
 
 def check_reduce_dtype(reduce_dtype: torch.dtype | None, layout: ShardLayout) -> None:

@@ -82,6 +82,7 @@ from fzero.state import (
     ShardState,
     check_live,
     lost_writes,
+    params_fingerprint,
     state_bytes,
     state_bytes_theory,
     trainable_only,
@@ -1257,7 +1258,8 @@ def _exchange(state: ShardState, run: _Run, control: Comm) -> Any:
     own = run.failure
     loss = torch.stack(run.losses).double().mean() if run.losses and not own else None
     norm = _squared_norm(run.grads, state) if not (own or run.aborted) else None
-    loss_sum, squared_norm = _on_host(loss, norm)
+    high, low = _fingerprint_halves(state) if not own else (None, None)
+    loss_sum, squared_norm, high, low = _on_host(loss, norm, high, low)
     channels = [comm, *([comm.channel(_GATHER)] if state.stage == 3 else [])]
     return exchange_statistics(
         control,
@@ -1268,7 +1270,18 @@ def _exchange(state: ShardState, run: _Run, control: Comm) -> Any:
         nonfinite=not math.isfinite(loss_sum),
         signatures=[c.signature for c in channels],
         used=run.used,
+        fingerprint=(int(high) << 32) | int(low),
     )
+
+
+def _fingerprint_halves(state: ShardState) -> tuple[Tensor | None, Tensor | None]:
+    """`fzero.state.params_fingerprint` as two float64 32-bit halves (exact, for `_on_host`):
+    every rank holds the same full parameters at stages 0-2, so after forward they differ
+    only where a write that bypasses autograd reached some ranks' copies and not others'."""
+    total = params_fingerprint(state)
+    if total is None:
+        return None, None
+    return ((total >> 32) & 0xFFFFFFFF).double(), (total & 0xFFFFFFFF).double()
 
 
 def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
@@ -1282,6 +1295,23 @@ def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
             f"train step {step} was applied on no rank because rank(s) {list(stats.failed)} "
             f"raised ({details}); this rank's state is unchanged",
             step=step, ranks=stats.failed,
+        )
+    if stats.diverged:
+        raise StepError(
+            f"train step {step}: after forward and backward the parameters of rank(s) "
+            f"{list(stats.diverged)} differ from rank 0's, which every rank holds alike at "
+            f"stages 0-2 (compared by a fingerprint of the full parameters): a write that "
+            f"bypasses autograd (through .data, e.g. p.data.clamp_(...) depending on the "
+            f"batch, in forward, in an eval step run on some ranks, or between steps) reached "
+            f"some ranks' copies only. Applied, the update would keep only each part's owner's "
+            f"values (stages 1-2, trainable parameters) or let each rank train on its own "
+            f"values (stage 0, and frozen parameters, which no update rewrites), silently. "
+            f"A value each rank should keep for itself belongs in a buffer (with "
+            f"buffers='local'), not a parameter. The step "
+            f"was applied on no rank; the written copies still hold the write: make such "
+            f"writes the same on every rank (or drop them) and rebuild the state (a checkpoint, "
+            f"fzero.init)",
+            step=step, ranks=list(stats.diverged),
         )
     if stats.mismatched:
         raise StepError(

@@ -251,3 +251,24 @@ def test_a_forward_that_raises_while_the_header_disagrees_raises_the_header(stag
     (kind_0, _), (kind_1, message_1) = fzero.SimWorld(2, timeout=5.0).run(body)
     assert kind_0 == "ValueError"
     assert kind_1 == "StepError" and "rank(s) [0] could not start" in message_1
+
+
+@pytest.mark.parametrize("other", [1, 2**32, -1, -(2**63), 2**63 - 1])
+def test_parameter_fingerprints_are_compared_in_both_halves(other: int) -> None:
+    """The parameters' 64-bit fingerprint travels as two float64 halves of 32 bits (exact): a
+    rank whose fingerprint differs from rank 0's in any bit, low or high, negative or not,
+    is named `diverged`, and only it; equal ones are not."""
+    base = -(2**40) + 12345
+
+    def body(comm: Any) -> Any:
+        return exchange_statistics(
+            comm, squared_norm=1.0, loss_sum=0.0, rows=4, failed=None, nonfinite=False,
+            signatures=[7], used=[True],
+            fingerprint=base + other if comm.rank == 2 else base)
+
+    for s in fzero.SimWorld(3).run(body):
+        assert s.diverged == (2,) and s.mismatched == ()
+    same = fzero.SimWorld(2).run(lambda comm: exchange_statistics(
+        comm, squared_norm=1.0, loss_sum=0.0, rows=4, failed=None, nonfinite=False,
+        signatures=[7], used=[True], fingerprint=base))
+    assert same[0].diverged == ()

@@ -224,11 +224,19 @@ def test_bits_compare_equal_exactly_when_the_bytes_do(values: list[float], flip:
 
 
 def _checksum_by_hand(tensor: torch.Tensor) -> int:
-    """`checksum`'s definition in Python integers: sum of bit pattern times 2i+1, mod 2**64,
-    as a signed int64."""
+    """`checksum`'s definition in Python integers: the sum of mix(bit pattern) times 2i+1,
+    mod 2**64, as a signed int64; mix is two xor-shift-multiply rounds on 64-bit words."""
     from fzero.flat import bits
 
-    total = sum(int(b) * (2 * i + 1) for i, b in enumerate(bits(tensor).tolist())) % 2**64
+    mask = 2**64 - 1
+
+    def mix(z: int) -> int:
+        z &= mask
+        for shift, factor in ((31, 0x3F58476D1CE4E5B9), (27, 0x14D049BB133111EB)):
+            z = ((z ^ (z >> shift)) * factor) & mask
+        return z
+
+    total = sum(mix(int(b)) * (2 * i + 1) for i, b in enumerate(bits(tensor).tolist())) & mask
     return total - 2**64 if total >= 2**63 else total
 
 
@@ -258,9 +266,12 @@ def test_checksum_is_its_definition_and_sees_any_one_byte(values: list[float], f
 
 
 def test_checksum_sees_sign_flips_and_swaps_that_a_plain_sum_misses() -> None:
-    """Regression examples of why the elements are weighted: negating one positive and one
-    negative element of equal magnitude, or swapping two, leaves the plain sum of bit patterns
-    unchanged; the checksum changes. Across the real chunk size too (2**20 + 3 elements)."""
+    """Regression examples of why the elements are mixed and weighted: negating one positive
+    and one negative element of equal magnitude, or swapping two, leaves the plain sum of bit
+    patterns unchanged; negating two float64 elements adds 2**63 twice, which a weighted sum
+    of the raw bits missed too (odd times 2**63 is 2**63 modulo 2**64: found by a probe, a
+    float64 model's ``neg_()`` through ``.data``). The checksum changes for each, across the
+    real chunk size too (2**20 + 3 elements)."""
     from fzero.flat import bits, checksum
 
     a = torch.tensor([0.5, -0.5, 2.0, 3.0, 1.0], dtype=torch.bfloat16)
@@ -269,7 +280,43 @@ def test_checksum_sees_sign_flips_and_swaps_that_a_plain_sum_misses() -> None:
     for other in (flipped, swapped):
         assert int(bits(other).long().sum()) == int(bits(a).long().sum())
         assert int(checksum(other)) != int(checksum(a))
+    for dtype in (torch.float64, torch.float32):
+        x = torch.tensor([0.25, -0.125, -0.375, 0.5, 0.75, -1.5], dtype=dtype)
+        for count in (2, 4, 6):
+            y = x.clone()
+            y[:count] = -y[:count]
+            assert int(checksum(y)) != int(checksum(x)), (dtype, count)
     big = torch.randn(2**20 + 3, generator=torch.Generator().manual_seed(0))
     before = int(checksum(big))
     big[-1] = -big[-1]
     assert int(checksum(big)) != before
+
+
+@given(st.lists(st.floats(width=32), min_size=0, max_size=40),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       st.integers(0, 7))
+def test_word_sum_is_the_sum_of_the_bytes_as_words(values: list[float], dtype: torch.dtype,
+                                                   offset: int) -> None:
+    """`word_sum` equals the sum, modulo 2**64, of the tensor's bytes read as little-endian
+    int64 words, a tail of fewer than 8 bytes as elements of their own width, whatever the
+    tensor's place in its storage (a misaligned view sums element by element); and it changes
+    with any one element."""
+    from fzero.flat import bits, word_sum
+
+    base = torch.tensor([1.0] * offset + values, dtype=torch.float32).to(dtype)
+    x = base[offset:]
+    raw = x.contiguous().view(torch.uint8).tolist()
+    size = x.element_size()
+    if (offset * size) % 8 == 0:
+        cut = len(raw) // 8 * 8
+        want = sum(int.from_bytes(bytes(raw[i:i + 8]), "little", signed=True)
+                   for i in range(0, cut, 8))
+        want += sum(int(b) for b in bits(x.contiguous())[cut // size:].tolist())
+    else:
+        want = sum(int(b) for b in bits(x.contiguous()).tolist())
+    want &= 2**64 - 1
+    assert int(word_sum(x)) & (2**64 - 1) == want
+    if x.numel():
+        y = x.clone()
+        y.view(torch.uint8)[0] ^= 1
+        assert int(word_sum(y)) != int(word_sum(x))

@@ -29,20 +29,23 @@ LR = 0.1
 
 class Clamps(nn.Module):
     """Two Linear layers; forward clips the first weight through ``.data`` (WGAN style) when
-    `clamp` is set, which bumps no version counter."""
+    `clamp` is True, or calls `clamp` on itself when it is a function: writes that bump no
+    version counter."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 2)
+        self.a, self.b = nn.Linear(6, 6, dtype=dtype), nn.Linear(6, 2, dtype=dtype)
         # From a generator of its own: SimWorld's ranks are threads sharing torch's global one.
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for param in self.parameters():
-                param.copy_(torch.rand(param.shape, generator=gen) - 0.5)
+                param.copy_(torch.rand(param.shape, generator=gen, dtype=torch.float64) - 0.5)
         self.clamp = False
 
     def forward(self, x: Tensor) -> Tensor:  # (B, 6) -> (B, 2)
-        if self.clamp:
+        if callable(self.clamp):
+            self.clamp(self)
+        elif self.clamp:
             self.a.weight.data.clamp_(-0.05, 0.05)
         return self.b(torch.tanh(self.a(x)))
 
@@ -61,7 +64,7 @@ def attempt(step: Any, state: fzero.ShardState, x: Tensor) -> tuple[fzero.ShardS
     """One step: the new state and None, or the input state and the error's message."""
     try:
         return step(state, x)[0], None
-    except ValueError as error:
+    except (ValueError, fzero.StepError) as error:
         return state, str(error)
 
 
@@ -303,3 +306,118 @@ def test_a_state_replaced_by_hand_keeps_its_uncast() -> None:
                            master_dtype=torch.float16)
         return dataclasses.replace(state, skipped=0).uncast == state.uncast != ()
     assert fzero.SimWorld(1).run(body) == [True]
+
+
+# --- writes that reach some ranks only -------------------------------------------------------
+
+
+def _one_rank_writes(comm: Any, stage: int, param_dtype: torch.dtype | None,
+                     where: str) -> dict[str, Any]:
+    """Rank 0 alone fills ``a.bias`` with 7 through ``.data`` (in bucket 'a', whose last
+    elements lie in the last rank's part), in a train step's forward or in an eval step
+    before it; the train step's error, whether no update was applied, and whether the save
+    after it was refused."""
+    model = Clamps()
+    state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=LR),
+                       param_dtype=param_dtype)
+    x = batch(comm.rank, 0, param_dtype or torch.float32)
+    write = (lambda m: m.a.bias.data.fill_(7.0)) if comm.rank == 0 else None
+    if where == "eval":
+        model.clamp = write
+        fzero.make_eval_step(model, lambda call, b: call(b))(state, x)
+        model.clamp = None
+    else:
+        model.clamp = write
+    before = fzero.full_params(state, master=True)
+    _, error = attempt(fzero.make_train_step(model, loss_fn), state, x)
+    after = fzero.full_params(state, master=True)
+    refused = None
+    try:
+        fzero.save(state, "unused")  # a collective: every rank refuses
+    except fzero.checkpoint.CheckpointError as exc:
+        refused = str(exc)
+    # No update: every other parameter as it was (a.bias holds the write where the
+    # parameters are the master copy).
+    unchanged = all(torch.equal(after[n], v) for n, v in before.items() if n != "a.bias")
+    return {"error": error, "unchanged": unchanged, "refused": refused}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("where", ["train", "eval"])
+def test_a_write_that_reaches_some_ranks_only_raises_on_every_rank(
+        stage: int, param_dtype: torch.dtype | None, where: str, tmp_path, monkeypatch) -> None:
+    """Every rank holds the full parameters at stages 0-2, and the master check reads only
+    its own part: a write through ``.data`` on some ranks only (one that depends on the batch,
+    or an eval step run on rank 0 alone) into another rank's part was dropped by the update
+    (stages 1-2 gather each part from its owner; a bfloat16 rank's own master lacks it too)
+    or trained each rank on its own values (stage 0, float32), silently (a probe). The ranks
+    now compare a fingerprint of their full parameters in the step's statistics round: every
+    rank raises before any update, naming the ranks that differ, and `fzero.save` of such a
+    state refuses on every rank instead of storing part of the write as trained state."""
+    monkeypatch.chdir(tmp_path)
+    for world in (2, 3):
+        for out in fzero.SimWorld(world).run(_one_rank_writes, stage, param_dtype, where):
+            assert out["error"] is not None, out
+            assert ("differ from rank 0's" in out["error"]
+                    or "were written during" in out["error"]), out["error"]
+            assert out["unchanged"]
+            assert out["refused"] is not None and "nothing was written" in out["refused"]
+            assert "bypassed autograd" in out["refused"], out["refused"]
+    assert not list(tmp_path.iterdir())
+
+
+def _save_after_an_error(comm: Any, stage: int, path: str) -> dict[str, Any]:
+    """A first step clamping through ``.data`` raises (bfloat16 parameters, float32 master);
+    then a save of that state."""
+    model = Clamps()
+    state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=LR),
+                       param_dtype=torch.bfloat16)
+    model.clamp = lambda m: m.a.weight.data.clamp_(-0.05, 0.05)
+    _, error = attempt(fzero.make_train_step(model, loss_fn), state,
+                       batch(comm.rank, 0, torch.bfloat16))
+    try:
+        fzero.save(state, path)
+        refused = None
+    except fzero.checkpoint.CheckpointError as exc:
+        refused = str(exc)
+    return {"error": error, "refused": refused}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_save_after_a_lost_write_error_refuses(stage: int, tmp_path) -> None:
+    """A step that raised "written during the step" leaves the write in the parameters, apart
+    from the master copy. A save then stored both, and `fzero.load` took the difference for
+    its own cast (`ShardState.uncast`): the next step trained on and dropped the write,
+    silently (a probe). `fzero.save` now refuses such a state on every rank, writing
+    nothing."""
+    path = tmp_path / "ckpt"
+    for out in fzero.SimWorld(2).run(_save_after_an_error, stage, str(path)):
+        assert _lost(out["error"])
+        assert out["refused"] is not None and "apart from their master" in out["refused"]
+        assert "['a']" in out["refused"]
+    assert not path.exists()
+
+
+def _float64_flip(comm: Any, stage: int, count: int) -> str | None:
+    """A float64 model under a float32 master (its buckets `uncast` at init): a first step
+    negating `count` weights through ``.data``; its error."""
+    model = Clamps(torch.float64)
+    state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.0),
+                       master_dtype=torch.float32)
+    assert [index for index, _ in state.uncast] == [0]
+    model.clamp = lambda m: m.a.weight.data.view(-1)[:count].neg_()
+    return attempt(fzero.make_train_step(model, loss_fn), state,
+                   batch(comm.rank, 0, torch.float64))[1]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_even_sign_flips_of_float64_parameters_are_seen_before_the_first_update(
+        stage: int) -> None:
+    """The first checksum summed raw bit patterns times odd weights: a float64 sign flip adds
+    2**63, and two of them 2**64 = 0, so negating an even number of weights in a `uncast`
+    bucket went unseen and the update dropped it (a probe). The checksum mixes each pattern
+    first: any count raises."""
+    for count in (1, 2, 4, 36):
+        for error in fzero.SimWorld(1).run(_float64_flip, stage, count):
+            assert _lost(error), (count, error)

@@ -41,7 +41,7 @@ from fzero.checkpoint.manifest import (
     shard_name,
 )
 from fzero.comm import Comm, fingerprint_check
-from fzero.state import ShardState, check_live
+from fzero.state import ShardState, check_live, lost_writes, params_fingerprint
 
 __all__ = ["fzero_version", "new_save_id", "only_a_saves_files", "save"]
 
@@ -77,7 +77,8 @@ def save(
     Raises:
         CheckpointError: `path` exists (without `overwrite`, or is not a checkpoint), or a
             rank failed to write (every rank raises, naming the ranks; the partial directory is
-            removed).
+            removed), or the parameters hold a write through ``.data`` that training would
+            drop (apart from their master copy, or different between ranks at stages 0-2).
         TypeError: `extra` is not JSON data.
     """
     if not isinstance(state, ShardState):
@@ -92,7 +93,15 @@ def save(
     # A consumed state (one a train step updated in place) would be stored under the wrong
     # step, and a resume would repeat a step; every rank learns whether any rank's is, and
     # whether any rank's `extra` is no JSON data.
-    rows = _gather(comm, [state.lease.consumed_by or 0, int(bad_extra is not None)])
+    # Parameters a step would not keep, which a checkpoint must not make look like its own:
+    # a write through .data its master copy lacks (a step raised on it and left it there),
+    # or parameters that differ between ranks at stages 0-2 (each rank writes only its part).
+    live = state.lease.consumed_by is None
+    written = lost_writes(state) if live else []
+    fingerprint = params_fingerprint(state) if live else None
+    rows = _gather(comm, [state.lease.consumed_by or 0, int(bad_extra is not None),
+                          int(bool(written)),
+                          int(fingerprint) if fingerprint is not None else 0])
     consumed = [row[0] for row in rows]
     if any(consumed):
         if state.lease.consumed_by is not None:
@@ -100,6 +109,18 @@ def save(
         raise CheckpointError(
             f"save: the state of rank(s) {[r for r, c in enumerate(consumed) if c]} was "
             f"consumed by a train step; save the state that step returned")
+    if any(row[2] for row in rows) or len({row[3] for row in rows}) > 1:
+        apart = [r for r, row in enumerate(rows) if row[2]]
+        differ = [r for r, row in enumerate(rows) if row[3] != rows[0][3]]
+        here = (f" (this rank: buckets {[state.layout.buckets[i].label for i in written]})"
+                if written else "")
+        raise CheckpointError(
+            f"save: the parameters hold a write that bypassed autograd (through .data) which "
+            f"training would drop: rank(s) {apart} hold parameters apart from their master "
+            f"copy{here}; rank(s) {differ} hold full parameters that differ from rank 0's. "
+            f"A checkpoint would store it as if it were "
+            f"trained state; nothing was written. Rebuild the state (the last checkpoint, or "
+            f"fzero.init from fzero.full_params(state, master=True)) and drop the write")
     if any(row[1] for row in rows):
         if bad_extra is not None:
             raise bad_extra
