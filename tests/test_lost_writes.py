@@ -421,3 +421,33 @@ def test_even_sign_flips_of_float64_parameters_are_seen_before_the_first_update(
     for count in (1, 2, 4, 36):
         for error in fzero.SimWorld(1).run(_float64_flip, stage, count):
             assert _lost(error), (count, error)
+
+
+class RunningCentre(nn.Module):
+    """A Linear layer and a frozen parameter its forward moves toward the batch's mean
+    through ``.data`` (a running statistic kept as a Parameter, not a buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 2)
+        self.centre = nn.Parameter(torch.zeros(6), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 6) -> (B, 2)
+        self.centre.data.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.a(x - self.centre)
+
+
+def test_a_frozen_parameter_each_rank_moves_on_its_own_raises_naming_buffers() -> None:
+    """A frozen parameter written per rank through ``.data`` (each rank's batch mean) differs
+    between ranks after forward: under DDP each rank would keep its own, under fzero the
+    ranks compute with different values and a checkpoint keeps one rank's part of each.
+    Every rank raises and the message points to a buffer with ``buffers='local'``, which is
+    what such a per-rank value is."""
+    def body(comm: Any, stage: int) -> str | None:
+        model = RunningCentre()
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=LR))
+        return attempt(fzero.make_train_step(model, loss_fn), state, batch(comm.rank, 0))[1]
+    for stage in STAGES:
+        for error in fzero.SimWorld(2).run(body, stage):
+            assert error is not None and "differ from rank 0's" in error
+            assert "buffers='local'" in error

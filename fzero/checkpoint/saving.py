@@ -118,8 +118,8 @@ def save(
             f"save: the parameters hold a write that bypassed autograd (through .data) which "
             f"training would drop: rank(s) {apart} hold parameters apart from their master "
             f"copy{here}; rank(s) {differ} hold full parameters that differ from rank 0's. "
-            f"A checkpoint would store it as if it were "
-            f"trained state; nothing was written. Rebuild the state (the last checkpoint, or "
+            f"A checkpoint would store it as if it were trained state; nothing was "
+            f"written. Rebuild the state (the last checkpoint, or "
             f"fzero.init from fzero.full_params(state, master=True)) and drop the write")
     if any(row[1] for row in rows):
         if bad_extra is not None:
