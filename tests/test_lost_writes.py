@@ -8,7 +8,10 @@ the buckets whose parameters the state was built apart from that cast (`ShardSta
 `init`'s and `fzero.load`'s own casts) with a checksum taken then. These tests pin the cases
 a single "step 0" baseline got wrong: a checkpoint loaded with a narrower master (a false
 alarm on every step), a first-step write under a float16 master, a new step function or a
-clone after an error, a write in an eval step, and a skipped step.
+clone after an error, a write in an eval step, and a skipped step. And the checks a rank's
+own part cannot make: a write that reaches some ranks only (the ranks compare a fingerprint
+of their full parameters, `fzero.state.params_fingerprint`), and a save of parameters that
+hold a write training would drop.
 """
 
 from __future__ import annotations
