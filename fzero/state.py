@@ -22,7 +22,7 @@ import copy
 import dataclasses
 import itertools
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,18 +208,19 @@ class ShardState:
         return self.config.comm.rank
 
 
-def _apart_from_master(state: ShardState) -> list[int]:
-    """Stages 0-2: the trainable buckets whose parameters differ, in this rank's part, from
-    their master copy cast to the parameters' dtype (those with a separate master copy only).
-    A read of the rank's part of each such bucket, one device-to-host copy for all of them."""
+def _apart_from_master(state: ShardState, skip: Collection[int] = ()) -> list[int]:
+    """Stages 0-2: the trainable buckets (but `skip`) whose parameters differ, in this rank's
+    part, from their master copy cast to the parameters' dtype (those with a separate master
+    copy only). A read of the rank's part of each such bucket, one device-to-host copy for all
+    of them."""
     if state.stage == 3:
         return []
     differs: list[tuple[int, Tensor]] = []
     for index, bucket in enumerate(state.layout.buckets):
         master, params = state.master[index], state.params[index]
-        if master is None or (master.untyped_storage().data_ptr()
-                              == params.untyped_storage().data_ptr()):
-            continue  # no master, or the parameters are the master copy
+        if index in skip or master is None or (master.untyped_storage().data_ptr()
+                                               == params.untyped_storage().data_ptr()):
+            continue  # skipped, no master, or the parameters are the master copy
         mine = shard_view(params, bucket, state.rank)
         kept = shard_view(master, bucket, state.rank) if state.stage == 0 else master
         differs.append((index, torch.ne(bits(mine), bits(kept.to(mine.dtype))).any()))
@@ -254,7 +255,7 @@ def lost_writes(state: ShardState) -> list[int]:
     update), and those of `ShardState.uncast` buckets with their checksum instead. One
     device-to-host copy, two where the state has `uncast` buckets (before its first update)."""
     known = dict(state.uncast)
-    written = [index for index in _apart_from_master(state) if index not in known]
+    written = _apart_from_master(state, skip=known)
     sums = _own_checksums(state, list(known))
     written += [index for (index, was), now in zip(known.items(), sums, strict=True)
                 if now != was]

@@ -935,10 +935,10 @@ def test_a_write_through_data_is_kept_or_raises_when_a_master_copy_would_drop_it
     parameters from the master copy and the clamp was dropped, silently (the weight kept
     its 0.35). Every rank raises instead, naming the bucket, before the update: the master
     copy is unchanged (the parameters hold the write, and the error says so). Also on the
-    very first step (``later=False``), which compares with what it found before forward
-    (`init` casts both from the module's values, which need not make the parameters their
-    master's cast): it used to go unchecked. A retry of that step after its error raises
-    again (the write it left is not mistaken for init's)."""
+    very first step (``later=False``), which used to go unchecked (`init` casts both from the
+    module's values, which need not make the parameters their master's cast: the state
+    records where they differ, `ShardState.uncast`). A retry of that step after its error
+    raises again (the write it left is not mistaken for init's)."""
     for out in fzero.SimWorld(2).run(_clamped_outcome, stage=stage, param_dtype=None,
                                      later=later):
         assert out["errors"] == []
