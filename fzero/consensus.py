@@ -229,7 +229,7 @@ def exchange_statistics(
         signatures: the running signature of each channel this step used, in a fixed order.
         used: per trainable entry, whether this rank's backward reached it.
         fingerprint: a 64-bit fingerprint of what every rank should hold alike (stages 0-2:
-            the full parameters, `fzero.flat.word_sum`); 0 where there is none.
+            the full parameters, `fzero.flat.fingerprint`); 0 where there is none.
 
     Returns:
         The same `Statistics` on every rank.

@@ -40,7 +40,7 @@ from fzero.bound import (
     same_values,
 )
 from fzero.comm import Comm, check_comm, fingerprint_check
-from fzero.flat import all_finite, bits, checksum, flatten, shard_view, word_sum
+from fzero.flat import all_finite, bits, checksum, fingerprint, flatten, shard_view
 from fzero.layout import (
     DEFAULT_BUCKET_CAP_CUDA,
     STAGE2_MIN_BUCKETS,
@@ -264,7 +264,7 @@ def lost_writes(state: ShardState) -> list[int]:
 
 def params_fingerprint(state: ShardState) -> Tensor | None:
     """Stages 0-2 over several ranks: a 0-d int64 fingerprint of this rank's full parameters
-    (the `fzero.flat.word_sum` of every bucket, added), on their device; None at stage 3 or
+    (the `fzero.flat.fingerprint` of every bucket, added), on their device; None at stage 3 or
     one rank. Every rank holds the same full parameters from `init` and after every update,
     so fingerprints that differ show a write that bypassed autograd (through ``.data``)
     reaching some ranks' copies only. One read of the parameters (Ψ elements)."""
@@ -272,7 +272,7 @@ def params_fingerprint(state: ShardState) -> Tensor | None:
         return None
     total = torch.zeros((), dtype=torch.int64, device=state.params[0].device)
     for params in state.params:
-        total += word_sum(params)
+        total += fingerprint(params)
     return total
 
 

@@ -292,31 +292,67 @@ def test_checksum_sees_sign_flips_and_swaps_that_a_plain_sum_misses() -> None:
     assert int(checksum(big)) != before
 
 
-@given(st.lists(st.floats(width=32), min_size=0, max_size=40),
+def _fingerprint_by_definition(x: torch.Tensor, block: int) -> int:
+    """`fingerprint` in pure Python: int64 words (elements past the last whole word, or of a
+    view not aligned to 8 bytes, at their own width), block b's sum times 2b + 1."""
+    from fzero.flat import bits
+
+    size = x.element_size()
+    raw = x.contiguous().view(torch.uint8).tolist()
+    units: list[int] = []
+    if (x.storage_offset() * size) % 8 == 0:
+        cut = len(raw) // 8 * 8
+        units = [int.from_bytes(bytes(raw[i:i + 8]), "little", signed=True)
+                 for i in range(0, cut, 8)]
+        tail = [int(b) for b in bits(x.contiguous())[cut // size:].tolist()]
+    else:
+        tail = [int(b) for b in bits(x.contiguous()).tolist()]
+    total, weight = 0, 1
+    for group in (units, tail):
+        for start in range(0, len(group), block):
+            total += weight * sum(group[start:start + block])
+            weight += 2
+    return total & (2**64 - 1)
+
+
+@given(st.lists(st.floats(width=32), min_size=0, max_size=300),
        st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
        st.integers(0, 7))
-def test_word_sum_is_the_sum_of_the_bytes_as_words(values: list[float], dtype: torch.dtype,
-                                                   offset: int) -> None:
-    """`word_sum` equals the sum, modulo 2**64, of the tensor's bytes read as little-endian
-    int64 words, a tail of fewer than 8 bytes as elements of their own width, whatever the
-    tensor's place in its storage (a misaligned view sums element by element); and it changes
-    with any one element."""
-    from fzero.flat import bits, word_sum
+def test_fingerprint_is_its_definition(values: list[float], dtype: torch.dtype,
+                                       offset: int) -> None:
+    """`fingerprint` equals its definition (the bytes as int64 words, block b's sum weighted
+    by 2b + 1, modulo 2**64; a tail of fewer than 8 bytes and a misaligned view element by
+    element), whatever the tensor's place in its storage; and it changes with any one bit."""
+    from fzero.flat import FINGERPRINT_BLOCK, fingerprint
 
     base = torch.tensor([1.0] * offset + values, dtype=torch.float32).to(dtype)
     x = base[offset:]
-    raw = x.contiguous().view(torch.uint8).tolist()
-    size = x.element_size()
-    if (offset * size) % 8 == 0:
-        cut = len(raw) // 8 * 8
-        want = sum(int.from_bytes(bytes(raw[i:i + 8]), "little", signed=True)
-                   for i in range(0, cut, 8))
-        want += sum(int(b) for b in bits(x.contiguous())[cut // size:].tolist())
-    else:
-        want = sum(int(b) for b in bits(x.contiguous()).tolist())
-    want &= 2**64 - 1
-    assert int(word_sum(x)) & (2**64 - 1) == want
+    assert int(fingerprint(x)) & (2**64 - 1) == _fingerprint_by_definition(x, FINGERPRINT_BLOCK)
     if x.numel():
         y = x.clone()
-        y.view(torch.uint8)[0] ^= 1
-        assert int(word_sum(y)) != int(word_sum(x))
+        y.view(torch.uint8)[-1] ^= 1
+        assert int(fingerprint(y)) != int(fingerprint(x))
+
+
+def test_fingerprint_chunks_agree_with_its_definition() -> None:
+    """Over several chunks and a short last block (the chunked sums and weights line up)."""
+    from fzero.flat import FINGERPRINT_BLOCK, fingerprint
+
+    x = torch.randn(2 * 2**21 + 67, generator=torch.Generator().manual_seed(1))
+    want = _fingerprint_by_definition(x, FINGERPRINT_BLOCK)
+    assert int(fingerprint(x)) & (2**64 - 1) == want
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (7, 300), (3000,)])
+def test_fingerprint_sees_values_moved_between_blocks(shape: tuple[int, ...]) -> None:
+    """A permutation of a tensor's own values (``roll``, a transpose's copy) keeps a plain sum
+    of its words; the block weights see it once values cross a 512-byte block. Within one
+    block it cancels, as documented."""
+    from fzero.flat import fingerprint
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    before = int(fingerprint(x))
+    assert int(fingerprint(x.roll(1, 0))) != before
+    assert int(fingerprint(x.flip(-1).contiguous())) != before
+    words = x.reshape(-1)[:128].view(torch.float64)  # 64 words: one block
+    assert int(fingerprint(words.flip(0).contiguous())) == int(fingerprint(words))

@@ -454,3 +454,40 @@ def test_a_frozen_parameter_each_rank_moves_on_its_own_raises_naming_buffers() -
         for error in fzero.SimWorld(2).run(body, stage):
             assert error is not None and "differ from rank 0's" in error
             assert "buffers='local'" in error
+
+
+class Wide(nn.Module):
+    """One 64 x 64 Linear layer (32 blocks of the fingerprint); forward calls `write` on
+    itself when it is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 6)
+        self.b = nn.Linear(6, 2)
+        self.write: Any = None
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 6) -> (B, 2)
+        if self.write is not None:
+            self.write(self)
+        return self.b(torch.tanh(self.a(torch.cat([x] * 11, 1)[:, :64])))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_permutation_on_some_ranks_only_raises(stage: int) -> None:
+    """Rank 0 alone rolls a weight's rows through ``.data`` (a permutation of its own values,
+    spanning both ranks' parts): a plain sum of the parameters' words did not change, so the
+    ranks' fingerprints agreed and the write went unseen on rank 1 (the update then kept
+    rank 0's rolled part only, or stage 0 trained each rank on its own values). The
+    fingerprint weights 512-byte blocks by their position: every rank raises."""
+    def body(comm: Any) -> str | None:
+        gen = torch.Generator().manual_seed(0)  # SimWorld's ranks share torch's global one
+        model = Wide()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen))
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=LR))
+        if comm.rank == 0:
+            model.write = lambda m: m.a.weight.data.copy_(m.a.weight.data.roll(1, 0))
+        return attempt(fzero.make_train_step(model, loss_fn), state, batch(comm.rank, 0))[1]
+    for error in fzero.SimWorld(2).run(body):
+        assert error is not None and "differ from rank 0's" in error, error
