@@ -292,6 +292,12 @@ def test_reset_peak_rss_starts_a_new_high_water_mark():
     block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
     high = memory.peak_rss_bytes()
     del block
-    now = memory.reset_peak_rss()
-    assert now == pytest.approx(memory.rss_bytes(), abs=8 * 2**20)
-    assert memory.peak_rss_bytes() < high - 32 * 2**20  # the freed block is out of the peak
+    # Three tries: another thread of this worker (a test's lingering one, under a loaded
+    # machine) may allocate between the reset and the read; a reset that works shows once.
+    peaks, currents = [], []
+    for _ in range(3):
+        now = memory.reset_peak_rss()
+        peaks.append(memory.peak_rss_bytes())
+        currents.append(now - memory.rss_bytes())
+    assert min(abs(d) for d in currents) < 8 * 2**20
+    assert min(peaks) < high - 32 * 2**20  # the freed block is out of the peak
