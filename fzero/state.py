@@ -67,6 +67,7 @@ __all__ = [
     "check_optimizer_dtype",
     "check_reduce_dtype",
     "clone_state",
+    "default_master_dtype",
     "init",
     "lost_writes",
     "params_fingerprint",
@@ -622,7 +623,7 @@ def init(
     _check_real(source_layout)
     layout = source_layout.cast(param_dtype) if param_dtype is not None else source_layout
     if master_dtype is None:
-        master_dtype = _default_master_dtype(source_layout, layout)
+        master_dtype = default_master_dtype(source_layout, layout)
     check_reduce_dtype(reduce_dtype, layout)
     check_optimizer_dtype(optimizer, master_dtype)
     fingerprint_check(comm, layout.fingerprint, "layout fingerprint",
@@ -967,7 +968,7 @@ def _check_real(layout: ShardLayout) -> None:
         )
 
 
-def _default_master_dtype(*layouts: ShardLayout) -> torch.dtype:
+def default_master_dtype(*layouts: ShardLayout) -> torch.dtype:
     """The trainable parameters' widest floating dtype in any of `layouts` (the model's own,
     and the one cast to ``param_dtype``), but at least float32."""
     widest = torch.float32

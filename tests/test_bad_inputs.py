@@ -567,6 +567,14 @@ CASES = [
          TE, "extra must hold JSON values", stage=1),
     Case("save: extra a list", lambda c: fzero.save(c.state, c.path("s"), extra=[1]), TE,
          "extra must be a mapping", stage=1),
+    # JSON would turn these into other values, silently: an int key into a string (merging
+    # it with a string key that reads alike), a tuple into a list.
+    Case("save: extra with an int key",
+         lambda c: fzero.save(c.state, c.path("s"), extra={"pos": {0: 5, "0": 7}}), TE,
+         r"extra\['pos'\] has the key 0 \(int\), which JSON stores as the string", stage=1),
+    Case("save: extra with a tuple",
+         lambda c: fzero.save(c.state, c.path("s"), extra={"shape": [1, (2, 3)]}), TE,
+         r"extra\['shape'\]\[1\] is a tuple, which JSON stores as a list", stage=1),
     Case("save: a consumed state", lambda c: fzero.save(c.state, c.path("s")), VE,
          "consumed by train step 1", stage=3, setup=Ctx.consume),
     Case("load: no checkpoint there", lambda c: load(c), CE, "no checkpoint at .*c: no such"),

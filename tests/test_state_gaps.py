@@ -95,7 +95,7 @@ def test_param_dtype_casts_floating_buffers_at_init() -> None:
 
 
 def test_a_frozen_float64_parameter_does_not_widen_the_master_dtype() -> None:
-    """[S20: _default_master_dtype counts frozen buckets] The default master dtype follows the
+    """[S20: default_master_dtype counts frozen buckets] The default master dtype follows the
     *trainable* parameters: a frozen float64 one beside float32 trainable ones keeps float32
     (a float64 master would double the optimizer's memory)."""
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).double())

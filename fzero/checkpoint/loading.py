@@ -35,6 +35,7 @@ from fzero.state import (
     check_dtypes,
     check_optimizer_dtype,
     check_reduce_dtype,
+    default_master_dtype,
     state_device,
 )
 
@@ -75,7 +76,10 @@ def load(
         trainable: which parameters train, as for `fzero.plan`; default, as for `fzero.init`,
             the model's ``requires_grad`` (for a mapping of tensors: as saved). A parameter
             frozen when saved that trains now needs `weights_only` (it has no moments).
-        param_dtype, master_dtype, reduce_dtype: as for `fzero.init`; default as saved.
+        param_dtype, master_dtype, reduce_dtype: as for `fzero.init`; default as saved
+            (the model's own dtypes are not read: a float32 skeleton of a float64 run
+            loads float64), except that the master copy is widened, as `init` makes
+            it, to parameters wider than the saved master (``param_dtype=float64``).
         device: where the state lives; default the comm's device.
         weights_only: start a fresh optimizer (zero moments, step 0) from the saved weights
             (master copy where stored); required when the checkpoint has no optimizer state.
@@ -110,15 +114,17 @@ def load(
             f"with weights_only=True to start a fresh optimizer from its weights"
         )
     param_dtype = _dtype(saved["param_dtype"]) if param_dtype is None else param_dtype
-    master_dtype = _dtype(saved["master_dtype"]) if master_dtype is None else master_dtype
     reduce_dtype = _dtype(saved["reduce_dtype"]) if reduce_dtype is None else reduce_dtype
     device = state_device(device, comm)
     layout = _layout(path, manifest, model, comm.world_size, buckets, trainable, param_dtype,
                      weights_only)
+    if master_dtype is None:
+        master_dtype = _master_dtype(saved, layout, manifest.layout)
     check_reduce_dtype(reduce_dtype, layout)
     optimizer = _optimizer(path, manifest, optimizer, weights_only)
     check_optimizer_dtype(optimizer, master_dtype)
-    buffer_names = _check_buffers(path, manifest, model)
+    aliases = _buffer_aliases(manifest, model)
+    buffer_names = _check_buffers(path, manifest, model, aliases)
     fingerprint_check(comm, layout.fingerprint, "layout fingerprint",
                       parts=layout.parts())
     verify(path, manifest, comm, checksums=verify_checksums, pin=pin)
@@ -127,7 +133,8 @@ def load(
     own_buffers = comm.rank if manifest.world_size == comm.world_size else 0
     with Reader(path, manifest, layout) as reader:
         state = record.build(
-            layout, stage, saved, reader.fill, comm=comm, optimizer=optimizer,
+            layout, stage, record.steps_by_every_name(saved, manifest.layout), reader.fill,
+            comm=comm, optimizer=optimizer,
             param_dtype=param_dtype, master_dtype=master_dtype, reduce_dtype=reduce_dtype,
             device=device, buffers={name: functools.partial(reader.buffer, rank=own_buffers)
                                     for name in buffer_names},
@@ -136,7 +143,7 @@ def load(
             fresh_optimizer=weights_only,
             requires_grad=requires_grad_flags(model),
             module_versions=module_versions(model),
-            buffer_aliases=buffer_aliases(model),
+            buffer_aliases=aliases,
         )
         if restore_rng and manifest.world_size == comm.world_size:
             reader.restore_rng(comm.rank, device)
@@ -291,7 +298,8 @@ def _layout(
         stored = {entry.name for bucket in planned.buckets for entry in bucket.entries}
         groups = [[name for entry in bucket.entries for name in entry.names if name in stored]
                   for bucket in saved.buckets] if buckets is None else buckets
-        layout = plan(model, world_size, buckets=groups, trainable=flags)
+        layout = _as_saved_dtypes(path, plan(model, world_size, buckets=groups,
+                                             trainable=flags), saved)
     if param_dtype is not None:
         layout = layout.cast(param_dtype)
     was = saved.locate()
@@ -303,6 +311,42 @@ def _layout(
             f"state: {_short(unfrozen)}; pass weights_only=True to start a fresh optimizer"
         )
     return layout
+
+
+def _master_dtype(saved: Mapping[str, Any], layout: ShardLayout,
+                  saved_layout: ShardLayout) -> torch.dtype:
+    """The master copy's default dtype: as saved, unless the parameters now are wider than
+    both it and the saved parameters (``param_dtype=torch.float64`` for a float32 run): then
+    theirs, as `fzero.init` makes it. A master chosen narrower than its parameters (float16
+    under float32) stays so."""
+    master = _dtype(saved["master_dtype"])
+    wider = default_master_dtype(layout)
+    if wider.itemsize > max(master.itemsize, default_master_dtype(saved_layout).itemsize):
+        return wider
+    return master
+
+
+def _as_saved_dtypes(path: str, layout: ShardLayout, saved: ShardLayout) -> ShardLayout:
+    """`layout`, planned on the model, with each floating bucket in the dtype its parameters
+    were saved in: a skeleton built in another dtype (float32 for a float64 run, ``half()``)
+    says only names and shapes, as when the saved buckets are kept. A bucket whose parameters
+    were saved in several dtypes raises."""
+    was = saved.locate()
+    buckets = []
+    for bucket in layout.buckets:
+        dtypes = {saved.buckets[was[entry.name][0]].torch_dtype for entry in bucket.entries}
+        if not bucket.torch_dtype.is_floating_point or not dtypes:
+            buckets.append(bucket)
+            continue
+        if len(dtypes) > 1:
+            raise CheckpointError(
+                f"{path}: bucket {bucket.label!r} of the new bucket policy holds parameters "
+                f"saved in different dtypes ({sorted(str(d) for d in dtypes)}; the model "
+                f"holds them in one): pass param_dtype=, or build the model in the saved "
+                f"dtypes so that the policy separates them"
+            )
+        buckets.append(bucket.cast(dtypes.pop()))
+    return ShardLayout(tuple(buckets), layout.world_size, layout.version)
 
 
 def _optimizer(
@@ -335,10 +379,31 @@ def _optimizer(
     return optimizer
 
 
+def _buffer_aliases(
+    manifest: Manifest, model: nn.Module | Mapping[str, Tensor]
+) -> tuple[tuple[str, str], ...]:
+    """The model's buffer aliases (`fzero.bound.buffer_aliases`), and the saved ones it lost
+    only by moving to ``meta`` (which gives each name of one buffer its own tensor), as
+    `_retied` restores the ties of parameters."""
+    own = buffer_aliases(model)
+    if not isinstance(model, nn.Module):
+        return own
+    named = dict(model.named_buffers())
+    lost = tuple((alias, name) for alias, name in manifest.state.get("buffer_aliases", ())
+                 if alias in named and name in named
+                 and named[alias].is_meta and named[name].is_meta)
+    return own + lost
+
+
 def _check_buffers(
-    path: str, manifest: Manifest, model: nn.Module | Mapping[str, Tensor]
+    path: str, manifest: Manifest, model: nn.Module | Mapping[str, Tensor],
+    aliases: tuple[tuple[str, str], ...],
 ) -> list[str]:
+    """The model's buffer names the state keeps (aliases left out), after checking that they
+    are the saved ones."""
     named = dict(model.named_buffers()) if isinstance(model, nn.Module) else {}
+    for alias, _ in aliases:
+        named.pop(alias, None)
     saved = manifest.buffers
     only_saved = sorted(set(saved) - set(named))
     only_model = sorted(set(named) - set(saved))

@@ -337,13 +337,46 @@ def latest(root: str | os.PathLike[str]) -> str | None:
 
 
 def check_json(extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """`extra` as a plain dict, after checking it survives a JSON round trip."""
+    """`extra` as a plain dict, after checking it survives a JSON round trip unchanged: JSON
+    values only, dict keys strings, lists not tuples (JSON would make a key ``1`` the string
+    ``"1"``, merging it with a key ``"1"``, and a tuple a list)."""
     if extra is None:
         return {}
     if not isinstance(extra, Mapping):
         raise TypeError(f"extra must be a mapping of JSON values, got {type(extra).__name__}")
+    problem = _json_change(extra, "extra")
+    if problem:
+        raise TypeError(f"extra must come back from JSON as saved: {problem}")
     try:
         return json.loads(json.dumps(dict(extra)))
     except (TypeError, ValueError) as error:
         raise TypeError(f"extra must hold JSON values only (str, numbers, lists, dicts): "
                         f"{error}") from None
+
+
+def _json_change(value: Any, where: str) -> str | None:
+    """Where and how a JSON round trip would change `value` (None: it would not)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if type(key) is not str:
+                return (f"{where} has the key {key!r} ({type(key).__name__}), which JSON "
+                        f"stores as the string {json.dumps(str(key))}: use str keys")
+            problem = _json_change(item, f"{where}[{key!r}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            problem = _json_change(item, f"{where}[{index}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(value, tuple):
+        return f"{where} is a tuple, which JSON stores as a list: use a list"
+    if value is None or type(value) in (str, int, float, bool):
+        return None
+    if isinstance(value, str | int | float):  # a subclass: an enum, a numpy scalar
+        plain = next(t for t in (str, int, float) if isinstance(value, t)).__name__
+        return (f"{where} is a {type(value).__name__}, which JSON stores as a plain {plain}: "
+                f"convert it")
+    return None  # not JSON at all: json.dumps names it

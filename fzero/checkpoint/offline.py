@@ -91,6 +91,8 @@ def consolidate(
                 out.update(dict.fromkeys(entry.names, view))
         for name in manifest.buffers:
             out[name] = reader.buffer(name)
+        for alias, name in manifest.state.get("buffer_aliases", ()):
+            out[alias] = out[name]  # one tensor under every name, as tied parameters
     if model is None:
         return out
     keys = _model_keys(path, manifest, model)
@@ -345,6 +347,7 @@ def _plan_tensors(
 ) -> list[_Tensor]:
     """What to write, in order: every name of every parameter, then every buffer."""
     located = manifest.layout.locate()
+    buffer_owner = dict(manifest.state.get("buffer_aliases", ()))
     if names is None:
         names = [*located, *manifest.buffers]
     out = []
@@ -356,11 +359,12 @@ def _plan_tensors(
             out.append(_Tensor(TensorSpec(name, target, entry.shape), index, entry.offset,
                                entry.name))
         else:
-            stored_dtype, shape = manifest.buffers[name]
+            source = buffer_owner.get(name, name)
+            stored_dtype, shape = manifest.buffers[source]
             buffer_dtype = getattr(torch, stored_dtype)
             if dtype is not None and buffer_dtype.is_floating_point:
                 buffer_dtype = dtype
-            out.append(_Tensor(TensorSpec(name, buffer_dtype, shape), -1, 0, name))
+            out.append(_Tensor(TensorSpec(name, buffer_dtype, shape), -1, 0, source))
     return out
 
 
@@ -418,6 +422,8 @@ def _model_keys(path: str, manifest: Manifest, model: nn.Module) -> list[str]:
     located = manifest.layout.locate()
     have = {name: entry.shape for name, (_, entry) in located.items()}
     have.update({name: shape for name, (_, shape) in manifest.buffers.items()})
+    have.update({alias: manifest.buffers[name][1]
+                 for alias, name in manifest.state.get("buffer_aliases", ())})
     missing = sorted(set(wanted) - set(have))
     shapes = sorted(f"{n}: {list(have[n])} vs {list(s)}" for n, s in wanted.items()
                     if n in have and have[n] != s)

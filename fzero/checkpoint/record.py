@@ -36,7 +36,7 @@ from torch import Tensor
 from fzero.bound import ModuleVersions
 from fzero.checkpoint.files import TensorSpec
 from fzero.comm import Comm
-from fzero.layout import ShardLayout, _dtype_name, _parse_dtype
+from fzero.layout import Entry, ShardLayout, _dtype_name, _parse_dtype
 from fzero.optim import Optimizer
 from fzero.schedule import BucketOrder
 from fzero.state import LossScale, ShardConfig, ShardState, with_uncast
@@ -92,6 +92,8 @@ def describe(state: ShardState, *, optimizer_state: bool = True) -> dict[str, An
                                                     "backward": list(order.backward)},
         "skipped": state.skipped,
         "rank_buffers": True,  # every rank's file holds its own buffers
+        # ``[alias, name]`` of a buffer registered under several names (stored once, as name).
+        "buffer_aliases": [list(pair) for pair in config.buffer_aliases],
         # Steps each trainable parameter received, by name, when some differ (unused ones).
         "param_steps": None if state.param_steps is None else dict(zip(
             [e.name for b in state.layout.buckets if b.trainable for e in b.entries],
@@ -247,8 +249,8 @@ def build(
     param_steps = None
     saved_steps = record.get("param_steps")
     if saved_steps is not None and not fresh_optimizer:
-        names = [e.name for b in layout.buckets if b.trainable for e in b.entries]
-        steps = tuple(saved_steps.get(name, step) for name in names)
+        steps = tuple(_saved_step(saved_steps, entry)
+                      for b in layout.buckets if b.trainable for entry in b.entries)
         param_steps = None if all(s == step for s in steps) else steps
     order = record["bucket_order"]
     bucket_order = (
@@ -278,6 +280,33 @@ def build(
         param_steps=param_steps,
         skipped=0 if fresh_optimizer else record.get("skipped", 0),
     ))
+
+
+def _saved_step(saved_steps: Mapping[str, int], entry: Entry) -> int:
+    """The step count saved for `entry`'s tensor, under any of its names (`steps_by_every_name`
+    keys each count by every name the saved tensor had, so a tie renamed or undone since
+    finds its own). Every trainable entry has one: a parameter frozen when saved trains again
+    only with a fresh optimizer, which reads none."""
+    for name in entry.names:
+        if name in saved_steps:
+            return saved_steps[name]
+    raise ValueError(f"the checkpoint records no optimizer step count for parameter "
+                     f"{entry.name!r}")
+
+
+def steps_by_every_name(record: Mapping[str, Any], layout: ShardLayout) -> dict[str, Any]:
+    """`record` (a manifest's, over the saved `layout`) with its per-parameter step counts
+    keyed by every name of each saved tensor (its ties' too), as `build` looks them up: a
+    checkpoint keys a tied tensor's count by its first name only."""
+    saved_steps = record.get("param_steps")
+    if saved_steps is None:
+        return dict(record)
+    steps = dict(saved_steps)
+    for bucket in layout.buckets:
+        for entry in bucket.entries:
+            if entry.name in saved_steps:
+                steps.update(dict.fromkeys(entry.names, saved_steps[entry.name]))
+    return {**record, "param_steps": steps}
 
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:

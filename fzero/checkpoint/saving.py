@@ -79,7 +79,8 @@ def save(
             rank failed to write (every rank raises, naming the ranks; the partial directory is
             removed), or the parameters hold a write through ``.data`` that training would
             drop (apart from their master copy, or different between ranks at stages 0-2).
-        TypeError: `extra` is not JSON data.
+        TypeError: `extra` is not JSON data, or a JSON round trip would change it (a
+            key not a str, a tuple).
     """
     if not isinstance(state, ShardState):
         raise TypeError(f"save needs a ShardState (from fzero.init or fzero.load), got "
