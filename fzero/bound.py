@@ -38,11 +38,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fzero.buckets import holds_completion_hooks
-from fzero.layout import ShardLayout
+from fzero.layout import ShardLayout, first_overlap, in_memory
 
 __all__ = ["Binder", "GradientWatch", "ModuleVersions", "buffer_aliases", "buffers_fingerprint",
-           "carry_attributes", "check_buffers", "check_structure", "claim", "module_versions",
-           "requires_grad_flags", "same_values"]
+           "carry_attributes", "check_buffers", "check_shared_memory", "check_structure", "claim",
+           "module_versions", "requires_grad_flags", "same_values"]
 
 T = TypeVar("T")
 
@@ -375,6 +375,56 @@ def check_buffers(
             f"only in the model {extra[:5]}, shapes differing {wrong[:5]} (a buffer registered "
             f"or replaced after fzero.init; build the state again, or register it before init)"
         )
+
+
+def check_shared_memory(model: nn.Module) -> None:
+    """Raise if one of `model`'s buffers, or a tensor it keeps as a plain attribute (directly,
+    or in a list, tuple or dict), shares memory with a parameter or a buffer without being the
+    same tensor object: ``register_buffer("head", self.stats[:3])``, ``register_buffer(
+    "w_sg", self.w.detach())``, ``self.w_sg = self.lin.weight.detach()``.
+
+    A state keeps every parameter in its flat buckets and every buffer as a tensor of its own,
+    and a step binds those under the registered names; in torch such an alias follows the
+    tensor it shares memory with, here it would keep the values it had when the state was
+    built, silently. (One tensor under several names is fine: ties and shared buffers are
+    bound under every name.) An attribute a forward pre-hook recomputes before every call
+    (the hook-based ``spectral_norm``, ``weight_norm`` and pruning keep the hook's ``name``)
+    is not read stale and is skipped.
+
+    Raises:
+        ValueError: naming the two tensors and what to do instead.
+    """
+    labelled: dict[int, tuple[str, Tensor]] = {}
+    for name, param in model.named_parameters():
+        labelled.setdefault(id(param), (f"parameter {name!r}", param))
+    for name, buffer in model.named_buffers():
+        labelled.setdefault(id(buffer), (f"buffer {name!r}", buffer))
+    for prefix, module in model.named_modules():
+        recomputed = {getattr(hook, "name", None) for hook in module._forward_pre_hooks.values()}
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or attr in recomputed:
+                continue
+            items = (value.items() if isinstance(value, dict) else
+                     enumerate(value) if isinstance(value, list | tuple) else [(None, value)])
+            for key, item in items:
+                if isinstance(item, Tensor) and id(item) not in labelled:
+                    where = f"{prefix}.{attr}" if prefix else attr
+                    where += "" if key is None else f"[{key!r}]"
+                    labelled[id(item)] = (f"attribute {where!r}", item)
+    pair = first_overlap(
+        ((label, t) for label, t in labelled.values() if in_memory(t)),
+        counts=lambda a, b: not (a.startswith("parameter") and b.startswith("parameter")))
+    if pair is None:  # (two parameters: `fzero.plan` raises)
+        return
+    a, b = pair
+    raise ValueError(
+        f"{a} and {b} share memory without being one tensor (a view, .detach() or .data of "
+        f"the other, kept in the module): fzero keeps parameters in its own flat buckets and "
+        f"each buffer as a tensor of its own, so after a step the alias would still hold the "
+        f"values it had when the state was built, where torch's would follow. Take the alias "
+        f"inside forward (e.g. `self.w.detach()`, `self.stats[:3]`), or register the same "
+        f"tensor under both names"
+    )
 
 
 def buffers_fingerprint(buffers: Mapping[str, Tensor]) -> str:

@@ -40,7 +40,9 @@ __all__ = [
     "ShardLayout",
     "TRAINING_DTYPES",
     "check_dtypes",
+    "first_overlap",
     "flatten_names",
+    "in_memory",
     "plan",
 ]
 
@@ -458,17 +460,21 @@ def _tie_key(tensor: torch.Tensor) -> object:
     memory (a ``state_dict()`` or ``detach()`` makes a new tensor object per name of a tied
     weight; planned apart, the two would train apart). Meta and empty tensors have no elements
     to share. (A module's parameters are tied by identity, as torch ties them.)"""
-    if not _in_memory(tensor) or tensor.numel() == 0:
+    if not in_memory(tensor) or tensor.numel() == 0:
         return id(tensor)
     return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(),
             tensor.dtype)
 
 
-def first_overlap(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
-    """The labels of two of the labelled `tensors` whose memory overlaps, or None. Each is
-    taken by the span of bytes its elements lie in (a strided view's span also covers the
-    elements it skips, so two views that interleave without sharing an element count too);
-    distinct storages never overlap in the address space. Empty tensors overlap nothing."""
+def first_overlap(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    counts: Callable[[str, str], bool] | None = None,
+) -> tuple[str, str] | None:
+    """The labels of two of the labelled `tensors` whose memory overlaps, or None; with
+    `counts`, only a pair it accepts. Each is taken by the span of bytes its elements lie in
+    (a strided view's span also covers the elements it skips, so two views that interleave
+    without sharing an element count too); distinct storages never overlap in the address
+    space. Empty tensors overlap nothing."""
     spans = []
     for label, t in tensors:
         if t.numel() == 0:
@@ -478,13 +484,17 @@ def first_overlap(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, str
             (size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
         spans.append((start, start + extent * t.element_size(), label))
     spans.sort(key=lambda span: span[:2])
-    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
-        if start_b < end_a:
-            return a, b
+    reaching: list[tuple[int, int, str]] = []  # earlier spans that reach past this start
+    for span in spans:
+        reaching = [other for other in reaching if other[1] > span[0]]
+        for other in reaching:
+            if counts is None or counts(other[2], span[2]):
+                return other[2], span[2]
+        reaching.append(span)
     return None
 
 
-def _in_memory(tensor: torch.Tensor) -> bool:
+def in_memory(tensor: torch.Tensor) -> bool:
     """Whether `tensor`'s elements have addresses to compare: not meta, not a subclass (which
     may have no storage)."""
     return not tensor.is_meta and type(tensor) in (torch.Tensor, nn.Parameter)
@@ -493,7 +503,7 @@ def _in_memory(tensor: torch.Tensor) -> bool:
 def _check_no_partial_overlap(tensors: Mapping[str, torch.Tensor]) -> None:
     """Distinct parameters (ties already merged) share no element: two views of one memory
     shaped apart would be planned, sharded and trained as two parameters (`first_overlap`)."""
-    pair = first_overlap((name, t) for name, t in tensors.items() if _in_memory(t))
+    pair = first_overlap((name, t) for name, t in tensors.items() if in_memory(t))
     if pair is not None:
         raise ValueError(
             f"parameters {pair[0]!r} and {pair[1]!r} share memory but are not one tensor: they "

@@ -35,6 +35,7 @@ from fzero.bound import (
     ModuleVersions,
     buffer_aliases,
     buffers_fingerprint,
+    check_shared_memory,
     module_versions,
     requires_grad_flags,
     same_values,
@@ -610,6 +611,8 @@ def init(
         )
     check_dtypes(param_dtype=param_dtype, reduce_dtype=reduce_dtype, master_dtype=master_dtype)
     check_comm(comm, "init")
+    if isinstance(model, nn.Module):
+        check_shared_memory(model)
     device = state_device(device, comm)
     source_layout = plan(model, comm.world_size, buckets=buckets, trainable=trainable,
                          separate_tied=stage == 3)

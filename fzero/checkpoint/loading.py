@@ -19,7 +19,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fzero.bound import buffer_aliases, module_versions, requires_grad_flags
+from fzero.bound import (
+    buffer_aliases,
+    check_shared_memory,
+    module_versions,
+    requires_grad_flags,
+)
 from fzero.checkpoint import record
 from fzero.checkpoint.files import ShardFile
 from fzero.checkpoint.manifest import CheckpointError, Manifest, Pin, read_pinned
@@ -103,6 +108,8 @@ def load(
     path = os.fspath(path)
     check_comm(comm, "load")
     check_dtypes(param_dtype=param_dtype, master_dtype=master_dtype, reduce_dtype=reduce_dtype)
+    if isinstance(model, nn.Module):
+        check_shared_memory(model)
     manifest, pin = read_pinned(path)
     saved = manifest.state
     stage = manifest.stage if stage is None else stage
