@@ -113,15 +113,6 @@ def test_init_refuses_an_alias_that_would_go_stale(build: Callable[[], nn.Module
         assert name in message, (name, message)
 
 
-def test_torch_follows_the_alias_that_fzero_refuses() -> None:
-    """Why it is refused: in torch the stop-gradient buffer moves with the weight."""
-    model = StopGradientBuffer()
-    before = model.w_sg.clone()
-    with torch.no_grad():
-        model.lin.weight.add_(1.0)
-    assert torch.equal(model.w_sg, before + 1.0)
-
-
 class SameTensorTwice(nn.Module):
     """One buffer object kept again as a plain attribute (Hugging Face's rotary embedding keeps
     ``original_inv_freq = inv_freq``), and a tied weight: the same tensors, never stale."""
