@@ -107,8 +107,12 @@ class Binder:
                     bound.copy_(now)
             return out
 
-        return functional_call(self._runner, prefixed, (keeping if keep else fn,),
-                               tie_weights=False, strict=False)
+        held = _HeldReferences(self.model, tensors)
+        try:
+            return functional_call(self._runner, prefixed, (keeping if keep else fn,),
+                                   tie_weights=False, strict=False)
+        finally:
+            held.release()
 
     def _one_name_per_attribute(self, tensors: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         """`tensors` with one name for each module attribute: a module registered under two
@@ -132,6 +136,68 @@ class Binder:
         if not repeated:
             return tensors
         return {name: tensor for name, tensor in tensors.items() if name not in repeated}
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+"""The attributes every `nn.Module` keeps for itself (registries of parameters, buffers,
+children and hooks); the rest of its ``__dict__`` is the user's."""
+
+
+class _HeldReferences:
+    """A module's parameters and buffers held outside its registry, bound too for one call.
+
+    Module code may keep a parameter or buffer object in a plain attribute: in a list or dict
+    (``self._ps = [self.w]``), under a second name (Hugging Face's ``original_inv_freq =
+    inv_freq``), or cached by forward itself (``self._w = self.b.weight``). In torch that is
+    the live tensor; a binding by registered name alone would leave the module's own object
+    there, whose values a state never updates (after `fzero.load`, not even its initial ones),
+    and forward would read it silently. So every such reference (a module attribute, or an item
+    of a list, tuple or dict in one) to a module's own tensor of a bound name reads the bound
+    tensor during the call (`bind`), and after it every reference to a bound tensor, ours or
+    one forward stored, holds the module's own again (`release`): what torch would hold.
+    """
+
+    def __init__(self, model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
+        self.model = model
+        self.own_of: dict[int, Tensor] = {}  # id(bound tensor) -> the module's own tensor
+        bound_of: dict[int, Tensor] = {}
+        for name, bound in tensors.items():
+            own = _attribute(model, name)
+            if isinstance(own, Tensor) and own is not bound:
+                bound_of[id(own)] = bound
+                self.own_of[id(bound)] = own
+        _replace_held(model, bound_of)
+
+    def release(self) -> None:
+        _replace_held(self.model, self.own_of)
+
+
+def _replace_held(model: nn.Module, replacements: Mapping[int, Tensor]) -> None:
+    """In every module's user attributes, and one level into the lists, tuples and dicts they
+    hold, replace each tensor whose id is in `replacements` by its replacement."""
+    if not replacements:
+        return
+    for module in model.modules():
+        attributes = vars(module)
+        for attr, value in attributes.items():  # (replacing a value keeps the keys)
+            if attr in _MODULE_INTERNALS:
+                continue
+            if isinstance(value, Tensor):
+                if id(value) in replacements:
+                    attributes[attr] = replacements[id(value)]
+            elif isinstance(value, list):
+                for index, item in enumerate(value):
+                    if isinstance(item, Tensor) and id(item) in replacements:
+                        value[index] = replacements[id(item)]
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    if isinstance(item, Tensor) and id(item) in replacements:
+                        value[key] = replacements[id(item)]
+            elif isinstance(value, tuple) and type(value) is tuple and any(
+                    isinstance(item, Tensor) and id(item) in replacements for item in value):
+                attributes[attr] = tuple(
+                    replacements.get(id(item), item) if isinstance(item, Tensor) else item
+                    for item in value)
 
 
 _RUNNING = "_fzero_step_running"
@@ -402,7 +468,7 @@ def check_shared_memory(model: nn.Module) -> None:
     for prefix, module in model.named_modules():
         recomputed = {getattr(hook, "name", None) for hook in module._forward_pre_hooks.values()}
         for attr, value in vars(module).items():
-            if attr.startswith("_") or attr in recomputed:
+            if attr in _MODULE_INTERNALS or attr in recomputed:
                 continue
             items = (value.items() if isinstance(value, dict) else
                      enumerate(value) if isinstance(value, list | tuple) else [(None, value)])

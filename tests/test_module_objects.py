@@ -148,14 +148,55 @@ def test_a_parameters_python_attributes_are_seen_in_forward(stage):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_parameter_reached_around_the_modules_registry_raises(stage):
-    """Forward read `self.held[0]` (the module's own `b.weight`, which a step does not rebind):
-    training computed with stale values and lost that gradient (losses drifted from torch's
-    by the second step). The gradient autograd leaves on the module's own object gives it
-    away; every rank raises before the update."""
+def test_a_parameter_held_in_a_list_attribute_trains_as_in_torch(stage):
+    """Forward read `self.held[0]`, the module's own `b.weight`: a step bound the registered
+    names only, so training computed with stale values and lost that gradient (it raised,
+    from the gradient left on the module's own object; an eval step, a frozen parameter or a
+    buffer held so read stale values silently). A step now binds such references too (an
+    attribute, or an item of a list, tuple or dict in one): training and evaluation equal
+    torch's, and the list holds the module's own object again afterwards."""
+    torch.manual_seed(0)
+    want = _torch_sgd(copy.deepcopy(model := Listed()), 3)
+    want_out = Listed.forward(copy.deepcopy(model), _batch(9))
+
+    def body(comm, model):
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        evaluate = fzero.make_eval_step(model, lambda call, x: call(x))
+        first = evaluate(state, _batch(9))
+        step = fzero.make_train_step(model, _loss)
+        for i in range(3):
+            state, _ = step(state, _rows(comm, _batch(i)))
+        return first, fzero.full_params(state), model.held[0] is model.b.weight
+
+    for first, got, restored in fzero.SimWorld(2).run(body, model):
+        torch.testing.assert_close(first, want_out, rtol=0, atol=1e-15)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
+        assert restored
+
+
+class Closed(nn.Module):
+    """Reads `b.weight` through a closure made in ``__init__``: nothing a step can rebind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4).double()
+        self.b = nn.Linear(4, 4).double()
+        self.h = nn.Linear(4, 1).double()
+        weight = self.b.weight
+        self.read = lambda: weight
+
+    def forward(self, x):
+        return self.h(torch.tanh(self.a(x)) + x @ self.read().T)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_parameter_reached_through_a_closure_raises(stage):
+    """A closure's captured parameter stays the module's own object (stale values): the
+    gradient autograd leaves on it gives it away; every rank raises before the update."""
 
     def body(comm):
-        model = Listed()
+        model = Closed()  # here: a deep copy would keep the closure's original parameter
         state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
         before = fzero.full_params(state)
         step = fzero.make_train_step(model, _loss)
@@ -476,3 +517,98 @@ def test_a_module_left_holding_bound_tensors_by_an_interrupt_says_so(stage, monk
     got = fzero.SimWorld(1).run(body)[0]
     for name, value in _torch_sgd(Scaled(), 2).items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
+
+
+# --- references a step binds besides the registered names ----------------------------------
+
+
+class HeldElsewhere(nn.Module):
+    """A buffer held in a list and updated in place in forward, a frozen parameter held in a
+    dict, and `b.weight` cached by forward on its first call (``self._w = self.b.weight``):
+    in torch each is the live tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.a = nn.Linear(4, 4).double()
+        self.b = nn.Linear(4, 4).double()
+        self.h = nn.Linear(4, 1).double()
+        self.emb = nn.Parameter(torch.zeros(4, dtype=torch.float64), requires_grad=False)
+        self.register_buffer("gain", torch.ones(4, dtype=torch.float64))
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64))
+        self._bufs = [self.gain]
+        self._frozen = {"emb": self.emb}
+        self._w: torch.Tensor | None = None
+
+    def forward(self, x):
+        if self._w is None:
+            self._w = self.b.weight
+        self.gain.mul_(0.9)
+        hidden = torch.tanh(self.a(x) + self._frozen["emb"]) * self._bufs[0]
+        return self.h(torch.tanh(torch.nn.functional.linear(hidden, self._w, self.b.bias)))
+
+
+def _torch_momentum(model: nn.Module, batches: list[int], rollback_after: int | None):
+    """Torch SGD with momentum over `batches`; with `rollback_after`, the model and optimizer
+    go back to their copy taken after that many steps, before the next batch."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
+                          momentum=0.9)
+    losses, backup = [], None
+    for index, seed in enumerate(batches):
+        if index == rollback_after:
+            backup = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        if index == (rollback_after or 0) + 1 and backup is not None:
+            model.load_state_dict(backup[0])
+            opt.load_state_dict(backup[1])
+        opt.zero_grad()
+        loss = _loss(model, _batch(seed))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    # (torch registered the cache as a second name of b.weight: all names, for comparing)
+    return losses, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_references_held_outside_the_registry_read_the_state(stage, tmp_path):
+    """Each of `HeldElsewhere`'s references read the module's own tensor while a step bound
+    the registered names only: the buffer's in-place updates were lost, the frozen parameter
+    read the fresh module's values after a load, and the cache kept the tensor of the step
+    that filled it (an eval step's, or a state's dropped by a rollback), so `b.weight` never
+    trained. All silent (a probe). Now: an eval step first, a checkpoint loaded into a fresh
+    module, a rollback, and every loss and parameter equals torch's."""
+    path = str(tmp_path / "ckpt")
+    model = HeldElsewhere()
+    want_eval = copy.deepcopy(model)(_batch(9)).detach()
+    # torch: steps on batches 0, 1 (a clone after the first), rollback, then 2, 3
+    want_losses, want = _torch_momentum(copy.deepcopy(model), [0, 1, 2, 3], rollback_after=1)
+
+    def body(comm, model):
+        state = fzero.init(model, stage=stage, comm=comm,
+                           optimizer=fzero.optim.sgd(lr=0.1, momentum=0.9))
+        first = fzero.make_eval_step(model, lambda call, x: call(x))(state, _batch(9))
+        fzero.save(state, path)
+        fresh = HeldElsewhere()
+        with torch.no_grad():
+            fresh.emb.add_(5.0)  # not the checkpoint's: a stale read would show
+        state = fzero.load(path, model=fresh, comm=comm)
+        step = fzero.make_train_step(fresh, _loss)
+        losses = []
+        state, metrics = step(state, _batch(0))
+        losses.append(metrics["loss"])
+        backup = fzero.clone_state(state)
+        state, metrics = step(state, _batch(1))
+        losses.append(metrics["loss"])
+        state = backup
+        for seed in (2, 3):
+            state, metrics = step(state, _batch(seed))
+            losses.append(metrics["loss"])
+        return first, losses, fzero.full_params(state)
+
+    (first, losses, got), = fzero.SimWorld(1).run(body, model)
+    torch.testing.assert_close(first, want_eval, rtol=0, atol=1e-15)
+    assert losses == pytest.approx(want_losses, rel=1e-12)
+    for name, value in got.items():
+        torch.testing.assert_close(value, want[name], rtol=0, atol=1e-12)

@@ -239,18 +239,20 @@ def test_state_values_with_nan_written_back_into_the_module_are_accepted() -> No
     assert fzero.SimWorld(1).run(_nan_buffer_reloaded_body, _NanBuffer()) == [1]
 
 
-class _HeldInAList(nn.Module):
-    """Forward reaches `b.weight` through a plain list, around the module's registry."""
+class _HeldInAClosure(nn.Module):
+    """Forward reaches `b.weight` through a closure, around the module's registry (a step
+    binds a reference held in an attribute or a list; a closure's it cannot)."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.a = nn.Linear(3, 3).double()
         self.b = nn.Linear(3, 1, bias=False).double()
-        self.held = [self.b.weight]
+        weight = self.b.weight
+        self.held = lambda: weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.a(x)) @ self.held[0].t()
+        return torch.tanh(self.a(x)) @ self.held().t()
 
 
 def _reached_with_an_old_gradient_body(comm: Any, model: nn.Module, stage: int) -> Any:
@@ -269,7 +271,9 @@ def test_a_parameter_reached_around_the_registry_raises_also_when_it_had_a_gradi
     gradient autograd leaves on the module's own object; when that object already held a
     .grad (an earlier plain backward), autograd adds into it in place: the step must see the
     in-place write (the gradient's version), not only a new .grad object."""
-    fzero.SimWorld(1).run(_reached_with_an_old_gradient_body, _HeldInAList(), stage)
+    # Not copied: a copy's closure would still hold the original module's parameter.
+    fzero.SimWorld(1, copy_args=False).run(_reached_with_an_old_gradient_body,
+                                           _HeldInAClosure(), stage)
 
 
 def _skips_apart_body(comm: Any, model: nn.Module) -> Any:
