@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Collection, Iterator, Sequence
+import inspect
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import torch
@@ -246,6 +247,7 @@ class Residency:
         self.failed: set[int] = set()
         self.aborted = False
         self.carried: tuple[int, ...] = ()  # kept gathered from the last phase into the next
+        self.inner_backwards = 0  # `torch.autograd.grad` calls of forward under way
 
     # -- phases --
 
@@ -490,6 +492,15 @@ class Residency:
         coming = keep | set(self.sequence[self.cursor + 1 : self.cursor + 1 + self.prefetch])
         return keep | set(self._latest_gathered(1 + self.prefetch - len(coming), besides=coming))
 
+    @property
+    def recomputing(self) -> bool:
+        """Whether forward code runs inside a backward (activation checkpointing's
+        recomputation, a tensor hook): in the backward phase, or in a `torch.autograd.grad`
+        that forward called (a gradient penalty). Its uses pin their buckets, which the
+        recomputed graph's saved tensors read, instead of evicting others (until their
+        gradients are complete, or the phase ends)."""
+        return self.phase == "backward" or self.inner_backwards > 0
+
     def _record(self, index: int) -> None:
         if not self.used or self.used[-1] != index:
             self.used.append(index)
@@ -505,7 +516,7 @@ class Residency:
         def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
             self.stack.append(module)
             needs = triggers[module]
-            recompute = self.phase == "backward"
+            recompute = self.recomputing
             for index in needs:
                 self.active[index] += 1
             for index in needs:
@@ -596,7 +607,7 @@ class Residency:
         (a use like any other: of a bucket not gathered yet, in flight, or kept for this phase's
         first position and not used since)."""
         if index not in self.resident or index in self.inflight or index in self.fresh:
-            self.need(index, evict=False, pin=self.phase == "backward")
+            self.need(index, evict=False, pin=self.recomputing)
 
     def settle(self, tensor: Tensor) -> None:
         """Wait for the gather in flight into the memory `tensor` views, if any. A view of a
@@ -719,6 +730,8 @@ class _Guard(TorchFunctionMode):
                     elif residency.inflight:
                         residency.settle(item)
         try:
+            if func is torch.autograd.grad:
+                return _grad_under_guard(self, args, kwargs)
             return func(*args, **kwargs)
         except RuntimeError as error:
             if _released_read(error):
@@ -761,6 +774,62 @@ def backward_under_guard(loss: Tensor) -> None:
         (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
         accumulate_grad=True,
     )
+
+
+def _grad_under_guard(guard: _Guard, args: Any, kwargs: Mapping[str, Any]) -> Any:
+    """``torch.autograd.grad(*args, **kwargs)`` called in the guarded forward (a gradient
+    penalty in ``loss_fn``), run with the guard active, as `backward_under_guard` runs the
+    step's own backward: torch calls the mode's handler with the mode switched off, so the
+    inner backward's recomputation (non-reentrant checkpointing) and tensor hooks would read
+    released buckets unguarded (a crash, or an error blaming an alias). The engine entry point
+    ``grad`` ends in does not dispatch; the arguments are prepared as ``grad`` prepares them.
+    Batched gradients (``is_grads_batched``) and gradient edges run as torch runs them."""
+    bound = _GRAD_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    outputs, inputs = given["outputs"], given["inputs"]
+    if given["is_grads_batched"] or any(
+            isinstance(x, torch.autograd.graph.GradientEdge)
+            for x in (*_as_tuple(outputs), *_as_tuple(inputs))):
+        return torch.autograd.grad(*args, **kwargs)  # (the mode is off here: no recursion)
+    allow_unused = given["allow_unused"]
+    if given["materialize_grads"] and allow_unused is False:
+        return torch.autograd.grad(*args, **kwargs)  # torch's own error
+    if allow_unused is None:
+        allow_unused = given["materialize_grads"]
+    keys = list(inputs) if type(inputs) is dict else None
+    outputs = _as_tuple(outputs)
+    inputs = tuple(inputs.values()) if keys is not None else _as_tuple(inputs)
+    if not inputs:
+        return torch.autograd.grad(*args, **kwargs)  # torch's own error
+    grads = torch.autograd._make_grads(
+        outputs, torch.autograd._tensor_or_tensors_to_tuple(given["grad_outputs"],
+                                                            len(outputs)),
+        is_grads_batched=False)
+    create_graph = given["create_graph"]
+    retain_graph = create_graph if given["retain_graph"] is None else given["retain_graph"]
+    guard.residency.inner_backwards += 1
+    try:
+        with guard:
+            result = torch.autograd.graph._engine_run_backward(
+                outputs, grads, retain_graph, create_graph, inputs, allow_unused,
+                accumulate_grad=False)
+    finally:
+        guard.residency.inner_backwards -= 1
+    if given["materialize_grads"]:
+        result = tuple(r if r is not None else torch.zeros_like(x, requires_grad=create_graph)
+                       for r, x in zip(result, inputs, strict=True))
+    return dict(zip(keys, result, strict=True)) if keys is not None else result
+
+
+_GRAD_SIGNATURE = inspect.signature(torch.autograd.grad)
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    """A tensor (or gradient edge) as a one-tuple, a sequence of them as a tuple."""
+    if isinstance(value, Tensor | torch.autograd.graph.GradientEdge):
+        return (value,)
+    return tuple(value)
 
 
 _SHARED_HELP = (

@@ -1031,6 +1031,84 @@ def test_a_gradient_penalty_inside_the_loss_trains_as_torch(stage: int) -> None:
                 torch.testing.assert_close(params[name], value, rtol=1e-13, atol=1e-15)
 
 
+class _CheckpointedInner(nn.Module):
+    """A block whose forward is a non-reentrant checkpoint of a method reading its own
+    parameter elementwise (no module hook of its own runs in the recomputation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.g = nn.Parameter(torch.full((5,), 1.1))
+
+    def body(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.fc(x) * self.g)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+
+
+class _PenaltyPaths(nn.Module):
+    """What a gradient penalty's inner backward runs besides plain autograd nodes:
+    ``"inner"``, a checkpointed block (`_CheckpointedInner`); ``"lambda"``, a checkpoint of a
+    lambda over two children, from the root; ``"hook"``, a tensor hook reading a parameter
+    elementwise."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(7)
+        self.kind = kind
+        self.a, self.b = nn.Linear(5, 5), (_CheckpointedInner() if kind == "inner"
+                                           else nn.Linear(5, 5))
+        self.c = nn.Linear(5, 3)
+        self.double()
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "lambda":
+            return self.c(torch.utils.checkpoint.checkpoint(
+                lambda t: torch.tanh(self.b(torch.tanh(self.a(t)))), x, use_reentrant=False))
+        h = torch.tanh(self.a(x))
+        if self.kind == "hook" and h.requires_grad:
+            h.register_hook(lambda g: g * (1 + 0.1 * self.a.bias))
+        return self.c(torch.tanh(self.b(h)))
+
+
+def _penalty_paths_steps(comm: Any, model: nn.Module, batches: Sequence[Any],
+                         prefetch: int) -> Any:
+    state = fzero.init(model, stage=3, comm=comm, buckets=1,  # one bucket per parameter
+                       optimizer=fzero.optim.sgd(lr=0.1, momentum=0.9))
+    step = fzero.make_train_step(model, _input_gradient_penalty, prefetch=prefetch)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, split_batch(batch, comm.rank, comm.world_size))
+        losses.append(metrics["loss"])
+    return losses, fzero.full_params(state)
+
+
+@pytest.mark.parametrize("kind", ["inner", "lambda", "hook"])
+def test_a_gradient_penalty_through_recomputation_and_hooks_at_stage_3(kind: str) -> None:
+    """The penalty's ``autograd.grad`` is a torch function: torch ran stage 3's gathering
+    guard's handler with the guard switched off, so the inner backward's recomputation and
+    tensor hooks read released buckets unguarded: the process crashed (segmentation fault) or
+    raised blaming a ``.detach()`` alias (a probe). It now runs with the guard on, its
+    recomputation pinning what it gathers: equal to torch, float64, 1-2 ranks, prefetch 0-1."""
+    model = _PenaltyPaths(kind)
+    gen = torch.Generator().manual_seed(8)
+    batches = [(torch.randn(6, 5, generator=gen, dtype=torch.float64),
+                torch.randn(6, 3, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    want = reference_train(model, _input_gradient_penalty, batches,
+                           lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), steps=2)
+    for n in (1, 2):
+        for prefetch in (0, 1):
+            for losses, params in fzero.SimWorld(n).run(_penalty_paths_steps, model, batches,
+                                                         prefetch):
+                assert losses == pytest.approx(want.losses, rel=1e-12)
+                for name, value in want.params.items():
+                    torch.testing.assert_close(params[name], value, rtol=1e-12, atol=1e-14)
+
+
 def exact(actual: Tensor, expected: Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
