@@ -278,7 +278,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--stop-after",
         type=int,
         default=0,
-        help="stop after this many steps of this run (a job's time slice); rerun to continue",
+        help="stop after this many steps of this run (a job's time slice), saving to --resume "
+             "DIR; rerun to continue",
     )
     ap.add_argument(
         "--reference",
@@ -294,6 +295,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.warmup_steps = min(args.warmup_steps, args.steps)
     if args.save_every and not args.resume:
         ap.error("--save-every needs --resume DIR: the directory checkpoints go to")
+    if args.stop_after and not args.resume:
+        ap.error("--stop-after needs --resume DIR: the run saves there when it stops, and a "
+                 "rerun continues from it")
     if args.reference and args.resume:
         ap.error("--reference does not checkpoint; drop --resume")
     return args
@@ -407,7 +411,9 @@ def run(args: argparse.Namespace, comm) -> None:
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / times[-1]:,.0f}",
                         refresh=False)
         bar.update()
-        if args.save_every and (i % args.save_every == 0 or i == last):
+        # Every K steps, and where a run stops early (--stop-after: the next one continues).
+        if (args.save_every and i % args.save_every == 0) or (
+                args.resume and i == last and (args.save_every or last < args.steps)):
             # A collective; it appears atomically once every rank has written its shards.
             data_rng = base64.b64encode(gen.get_state().numpy().tobytes()).decode()
             fzero.save(state, os.path.join(args.resume, f"step-{i:06d}"), overwrite=True,

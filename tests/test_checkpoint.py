@@ -1173,6 +1173,10 @@ def test_interrupted_save_is_ignored_and_cleaned(tmp_path) -> None:
     (killed / "shard-00000-of-00002.safetensors").write_bytes(b"junk")
     assert latest(root) == str(root / "step-000003")
     assert latest(tmp_path / "nothing") is None
+    # A checkpoint given for the run's directory: None would have meant a silent fresh start.
+    with pytest.raises(CheckpointError, match=r"step-000003 is a checkpoint itself, not a "
+                                              r"directory of checkpoints"):
+        latest(root / "step-000003")
     fzero.SimWorld(2).run(train_save_body, TinyGPT(), gpt_batches(), 5, str(root / "step-000005"),
                           stage=3)
     assert latest(root) == str(root / "step-000005")
@@ -1322,6 +1326,22 @@ def test_train_gpt_restarts_where_it_stopped(tmp_path) -> None:
         assert bitwise_equal(resumed_tensors[key], value), key
     done = run_example(*args, "--resume", str(tmp_path / "b"))
     assert "all 4 steps were taken already" in done
+
+
+@pytest.mark.slow
+def test_train_gpt_stop_after_saves_where_it_stops(tmp_path) -> None:
+    """``--stop-after`` without ``--save-every`` saved nothing, so every rerun started again
+    from step 1 (a probe); the run now saves where it stops, and the rerun continues. Without
+    ``--resume`` there is nowhere to save: an argument error."""
+    args = ["examples/train_gpt.py", "--steps", "4", "--batch-size", "4", "--seq-len", "16",
+            "--warmup-steps", "1", "--sample-bytes", "0"]
+    run_example(*args, "--resume", str(tmp_path / "b"), "--stop-after", "3")
+    assert os.listdir(tmp_path / "b") == ["step-000003"]
+    second = run_example(*args, "--resume", str(tmp_path / "b"))
+    assert f"resume {tmp_path / 'b' / 'step-000003'}: 3 steps" in second
+    refused = subprocess.run([sys.executable, *args, "--stop-after", "3"], capture_output=True,
+                             text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert refused.returncode == 2 and "--stop-after needs --resume DIR" in refused.stderr
 
 
 @pytest.mark.slow

@@ -316,10 +316,19 @@ def latest(root: str | os.PathLike[str]) -> str | None:
     (``*.partial``) are skipped, and so are damaged checkpoints (a manifest that cannot be
     read), each with a `RuntimeWarning` naming it: a resume from an older checkpoint than the
     newest is not silent.
+
+    Raises:
+        CheckpointError: `root` is a checkpoint itself (its subdirectories hold none, and a
+            resume would silently start afresh).
     """
     root = os.fspath(root)
     if not os.path.isdir(root):
         return None
+    if os.path.isfile(os.path.join(root, MANIFEST)):
+        raise CheckpointError(
+            f"latest: {root} is a checkpoint itself, not a directory of checkpoints (None "
+            f"would have meant starting afresh): pass its parent, or load it directly"
+        )
     best: tuple[int, str] | None = None
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
