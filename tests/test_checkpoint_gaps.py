@@ -217,6 +217,22 @@ def test_consolidate_and_export_for_a_model_of_other_shapes_name_the_shapes(tmp_
     assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
+def test_consolidate_and_export_for_a_smaller_model_name_what_it_lacks(tmp_path) -> None:
+    """The model's keys were checked against the checkpoint, not the reverse: a checkpoint of
+    two layers exported for a one-layer model wrote half the trained parameters, and
+    ``from_pretrained`` of it loaded without a word (a probe, with GPT-2 configs). Both
+    raise, naming the parameters the model lacks; export writes nothing."""
+    path = tmp_path / "c"
+    save(path)  # Linear(4, 3), Linear(3, 2)
+    smaller = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    lacks = r"its parameters the model lacks: \['1.bias', '1.weight'\]"
+    with pytest.raises(CheckpointError, match=lacks):
+        fzero.consolidate(path, model=smaller)
+    with pytest.raises(CheckpointError, match=lacks):
+        fzero.checkpoint.export(path, tmp_path / "hf", model=smaller)
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
 def test_export_to_bfloat16_keeps_integer_parameters_and_buffers_integer(tmp_path) -> None:
     """export(dtype=) casts floating tensors only: casting BatchNorm's
     num_batches_tracked or an integer parameter (token ids) to bfloat16 wrote a model that

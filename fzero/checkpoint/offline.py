@@ -425,13 +425,16 @@ def _model_keys(path: str, manifest: Manifest, model: nn.Module) -> list[str]:
     have.update({alias: manifest.buffers[name][1]
                  for alias, name in manifest.state.get("buffer_aliases", ())})
     missing = sorted(set(wanted) - set(have))
+    # A smaller model (fewer layers) would take a part of the trained parameters silently.
+    dropped = sorted(set(located) - set(wanted))
     shapes = sorted(f"{n}: {list(have[n])} vs {list(s)}" for n, s in wanted.items()
                     if n in have and have[n] != s)
-    if missing or shapes:
+    if missing or dropped or shapes:
         raise CheckpointError(
             f"{os.path.join(path, MANIFEST)} is not a checkpoint of this model: state_dict keys "
-            f"missing from it: {missing[:8]}; shapes differing (checkpoint vs model): "
-            f"{shapes[:8]}"
+            f"missing from it: {missing[:8]}; its parameters the model lacks: {dropped[:8]}"
+            f"{f' ({len(dropped)} in all)' if len(dropped) > 8 else ''}; shapes differing "
+            f"(checkpoint vs model): {shapes[:8]}"
         )
     return list(wanted)
 
