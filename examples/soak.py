@@ -71,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.warmup = max(1, min(200, args.steps // 4))
     if not 0 < args.warmup < args.steps:
         ap.error("need 0 < --warmup < --steps")
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    if args.batch_size % world:
+        ap.error(f"--batch-size {args.batch_size} must be a multiple of the {world} ranks (each "
+                 f"keeps its 1/N of the global batch; the rest would train on no rank)")
     return args
 
 

@@ -189,6 +189,9 @@ def get_batch(
     Every rank draws all ``batch_size`` start offsets (the generators stay in step) and keeps
     its contiguous 1/world slice; the union over ranks is exactly the global batch.
     """
+    if batch_size % world:  # the ranks would drop the remainder's rows, silently
+        raise ValueError(f"a global batch of {batch_size} sequences does not split over "
+                         f"{world} ranks: pass a multiple of {world}")
     ix = torch.randint(len(data) - seq_len - 1, (batch_size,), generator=gen)  # (B,)
     per_rank = batch_size // world
     ix = ix[rank * per_rank : (rank + 1) * per_rank]  # (B/N,)
