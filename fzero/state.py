@@ -70,6 +70,7 @@ __all__ = [
     "clone_state",
     "default_master_dtype",
     "init",
+    "layout_bytes_theory",
     "lost_writes",
     "params_fingerprint",
     "state_bytes",
@@ -693,31 +694,34 @@ def state_bytes(state: ShardState) -> int:
 
 
 def state_bytes_theory(state: ShardState) -> float:
-    """The bytes docs/design.md's stage table gives this state's model, N, stage and dtypes.
+    """The bytes docs/design.md's stage table gives this state's model, N, stage and dtypes
+    (`layout_bytes_theory` of its layout)."""
+    return layout_bytes_theory(
+        state.layout, state.stage, master_dtype=state.config.master_dtype,
+        moments=len(state.moments), reduce_dtype=state.config.reduce_dtype)
 
-    Trainable parameters follow the table with ``K = master bytes (when a separate master
-    copy exists) + moment bytes``; frozen parameters hold only their compute-dtype values
-    (sharded at stage 3). Padding is not included (`state_bytes` measures it).
+
+def layout_bytes_theory(layout: ShardLayout, stage: int, *, master_dtype: torch.dtype,
+                        moments: int, reduce_dtype: torch.dtype | None) -> float:
+    """Per-rank model-state bytes the stage table gives `layout`'s parameters at `stage` over
+    its world size: trainable buckets as the table, with ``K = master bytes (where the
+    bucket's dtype is not the master's) + moments x master bytes`` and each bucket's own
+    element size; frozen buckets hold only their values (sharded at stage 3). Padding is not
+    included (`state_bytes` measures it). Pure: also for a checkpoint's layout at another N.
     """
-    layout = state.layout
     world = layout.world_size
-    trainable = [b for b in layout.buckets if b.trainable]
-    frozen = [b for b in layout.buckets if not b.trainable]
     total = 0.0
-    if trainable:
-        param_bytes = trainable[0].torch_dtype.itemsize
+    for bucket in layout.buckets:
+        size = bucket.torch_dtype.itemsize
+        if not bucket.trainable:
+            total += bucket.numel * size / (world if stage == 3 else 1)
+            continue
         # Stages 0-1 keep full gradients in the compute dtype (see init's reduce_dtype).
-        reduce_dtype = state.config.reduce_dtype if state.stage >= 2 else None
-        grad_bytes = (reduce_dtype or trainable[0].torch_dtype).itemsize
-        master_bytes = state.config.master_dtype.itemsize
-        separate_master = trainable[0].torch_dtype != state.config.master_dtype
-        k = master_bytes * (len(state.moments) + int(separate_master))
-        numel = sum(b.numel for b in trainable)
-        total += memory.estimate(numel, world, state.stage, k=k, param_bytes=param_bytes,
+        grad_bytes = (reduce_dtype.itemsize if reduce_dtype is not None and stage >= 2
+                      else size)
+        k = master_dtype.itemsize * (moments + int(bucket.torch_dtype != master_dtype))
+        total += memory.estimate(bucket.numel, world, stage, k=k, param_bytes=size,
                                  grad_bytes=grad_bytes)
-    for bucket in frozen:
-        size = bucket.numel * bucket.torch_dtype.itemsize
-        total += size / world if state.stage == 3 else size
     return total
 
 

@@ -400,3 +400,24 @@ def test_save_reshard_export_and_write_model_reach_the_disk_before_they_return(
     events.events.clear()
     offline.write_model("c", "model.safetensors")
     assert events.check_durable() == 1
+
+
+def test_inspect_counts_frozen_parameters_in_its_memory_table(tmp_path) -> None:
+    """`inspect`'s table took only the trainable parameters (and bucket 0's element size):
+    a fine-tuning checkpoint with a large frozen base read as a fraction of its memory (a
+    probe). Now every stored bucket counts, by the paper's formulas with frozen parameters
+    holding their values only: fp32 AdamW, at N = 2, stage 0 = 16 Ψ_trainable + 4 Ψ_frozen,
+    stage 3 half of that."""
+    from fzero.checkpoint.__main__ import describe
+
+    model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))
+    model[0].requires_grad_(False)
+    path = tmp_path / "c"
+    save(path, model=model)
+    text = describe(str(path), read_manifest(path), [2])
+    row = next(line.split() for line in text.splitlines() if line.startswith("2 "))
+    trainable, frozen = 100 * 10 + 10, 100 * 100 + 100
+    stage0, stage3 = 16 * trainable + 4 * frozen, (16 * trainable + 4 * frozen) / 2
+    assert float(row[1]) * 1e9 == pytest.approx(stage0, rel=1e-5)
+    assert float(row[4]) * 1e9 == pytest.approx(stage3, rel=1e-5)
+    assert "1,010 trainable" in text and "10,100 frozen" in text

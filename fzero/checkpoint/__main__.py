@@ -20,6 +20,7 @@ from fzero import memory
 from fzero.checkpoint.manifest import CheckpointError, Manifest, read_manifest
 from fzero.checkpoint.offline import DEFAULT_MAX_SHARD_SIZE, export, reshard, write_model
 from fzero.checkpoint.verify import verify
+from fzero.state import STAGES, layout_bytes_theory
 
 __all__ = ["describe", "main"]
 
@@ -69,16 +70,17 @@ def describe(path: str, manifest: Manifest, world_sizes: Sequence[int]) -> str:
             f"{len(bucket.entries)}"
         )
     lines.append("")
-    param_bytes = layout.buckets[0].torch_dtype.itemsize if layout.buckets else 4
-    master_bytes = getattr(torch, state["master_dtype"]).itemsize
-    separate = bool(state["master"]) or param_bytes != master_bytes
-    k = master_bytes * (len(state["moments"]) + int(separate))
-    grad_bytes = (getattr(torch, state["reduce_dtype"]).itemsize if state["reduce_dtype"]
-                  else param_bytes)
-    rows = memory.estimate_table(layout.trainable_numel, world_sizes, k=k,
-                                 param_bytes=param_bytes, grad_bytes=grad_bytes)
-    lines.append(memory.format_table(rows, num_params=layout.trainable_numel, k=k,
-                                     param_bytes=param_bytes, grad_bytes=grad_bytes))
+    # Every bucket as it is stored, frozen ones included, at each world size and stage.
+    master = getattr(torch, state["master_dtype"])
+    reduce = getattr(torch, state["reduce_dtype"]) if state["reduce_dtype"] else None
+    rows = [memory.EstimateRow(n, *(layout_bytes_theory(
+        layout.with_world_size(n), stage, master_dtype=master, moments=len(state["moments"]),
+        reduce_dtype=reduce) for stage in STAGES)) for n in world_sizes]
+    lines.append(
+        f"model-state GB (1e9 bytes) per rank, as stored: {layout.trainable_numel:,} trainable "
+        f"parameters (master {state['master_dtype']}, {len(state['moments'])} moments), "
+        f"{layout.numel - layout.trainable_numel:,} frozen; padding not included")
+    lines.append(memory.format_rows(rows))
     return "\n".join(lines)
 
 

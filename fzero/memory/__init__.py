@@ -34,6 +34,7 @@ __all__ = [
     "MemoryReport",
     "estimate",
     "estimate_table",
+    "format_rows",
     "format_table",
     "main",
     "measure",
@@ -219,14 +220,20 @@ def format_table(
     Returns:
         The table as a string with one line per row (no trailing newline).
     """
-    headers = ("N", "stage 0", "stage 1 (os)", "stage 2 (os+g)", "stage 3 (os+g+p)")
-    cells = [(str(row.world_size), *(f"{b / 1e9:.6g}" for b in row[1:])) for row in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     title = (
         f"model-state GB (1e9 bytes) per rank: params={num_params:.6g}, k={k:g}, "
         f"param_bytes={param_bytes:g}, grad_bytes={grad_bytes:g}"
     )
-    lines = [title, "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+    return f"{title}\n{format_rows(rows)}"
+
+
+def format_rows(rows: Sequence[EstimateRow]) -> str:
+    """`rows` as plain-text columns of GB (1e9 bytes) per rank, a header line first (no
+    title, no trailing newline): `format_table`'s body, for tables titled elsewhere."""
+    headers = ("N", "stage 0", "stage 1 (os)", "stage 2 (os+g)", "stage 3 (os+g+p)")
+    cells = [(str(row.world_size), *(f"{b / 1e9:.6g}" for b in row[1:])) for row in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in cells]
     return "\n".join(lines)
 
