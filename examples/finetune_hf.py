@@ -117,15 +117,23 @@ def export_pretrained(state, model: nn.Module, tokenizer, out_dir: str, rank: in
     """Write ``out_dir`` for ``from_pretrained``: the trained weights in a copy of `model`.
 
     A collective (every rank gathers the parameters); rank 0 writes. Trained parameters get
-    the master copy (float32 under ``--param-dtype bfloat16``, not its bfloat16 rounding);
-    frozen ones keep the module's own values, bitwise the pretrained ones (fzero never writes
-    the module; with ``--param-dtype bfloat16`` training computed with their bfloat16
-    rounding). From a saved checkpoint, offline: ``fzero.checkpoint.export``.
+    the master copy (float32 under ``--param-dtype bfloat16``, not its bfloat16 rounding;
+    a bfloat16 model is written in float32 then, its frozen values widened exactly); frozen
+    ones keep the module's own values, bitwise the pretrained ones (fzero never writes the
+    module; with ``--param-dtype bfloat16`` training computed with their bfloat16 rounding).
+    From a saved checkpoint, offline: ``fzero.checkpoint.export``.
     """
     params = fzero.full_params(state, master=True)  # {name: full tensor}, tied names included
     if rank != 0:
         return
     trained = copy.deepcopy(model)
+    # The module may be narrower than what trained (a bfloat16 checkpoint trained in float32,
+    # or with its float32 master): widen it, exactly, so the copy below rounds nothing.
+    widest = max((params[name].dtype for name, p in trained.named_parameters()
+                  if p.requires_grad), key=lambda dtype: dtype.itemsize, default=None)
+    if widest is not None and any(p.is_floating_point() and p.dtype.itemsize < widest.itemsize
+                                  for p in trained.parameters()):
+        trained.to(widest)
     with torch.no_grad():
         for name, p in trained.named_parameters():
             if p.requires_grad:  # (the trainable set: `select_trainable`)

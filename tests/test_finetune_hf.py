@@ -138,6 +138,31 @@ def test_a_bfloat16_run_exports_its_master_copy_and_the_frozen_weights_as_they_w
             assert torch.equal(value, start[name]), name
 
 
+def test_a_bfloat16_model_trained_in_float32_exports_float32(
+    gloo_pool: Any, tmp_path: Path,
+) -> None:
+    """A bfloat16 ``save_pretrained`` model trains in float32 (the default ``--param-dtype``
+    widens it), but the export copied the trained weights into the bfloat16 module: the
+    output was not the trained model (a probe). It is written in float32: the trained weights
+    as trained, the frozen ones the bfloat16 values widened exactly."""
+    out = tmp_path / "tuned"
+    base = tmp_path / "neox-bf16"
+    AutoModelForCausalLM.from_pretrained(neox_dir(tmp_path / "neox", False)).to(
+        torch.bfloat16).save_pretrained(base)
+    args = ft.parse_args([*TINY, "--model", str(base), "--stage", "1",
+                          "--train", "gpt_neox.layers.*.attention.*", "--out", str(out)])
+    summary = gloo_pool(2).run(ft.train, args)[0]
+    start = dict(AutoModelForCausalLM.from_pretrained(base).named_parameters())
+    loaded = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
+    assert summary["trainable"] and set(loaded) == set(start)
+    for name, value in loaded.items():
+        assert value.dtype == torch.float32, name
+        if name in summary["trainable"]:
+            assert not torch.equal(value, value.bfloat16().float()), name  # not rounded
+        else:
+            assert torch.equal(value, start[name].float()), name
+
+
 def checkpointing_runs(gloo_pool: Any, config: str) -> tuple[list[float], list[float]]:
     argv = [*TINY, "--config", config, "--stage", "3", "--train", "*.attn.*",
             "--train", "*.attention.*"]
