@@ -153,9 +153,9 @@ class _HeldReferences:
     there, whose values a state never updates (after `fzero.load`, not even its initial ones),
     and forward would read it silently. So every such reference (a module attribute, or an item
     of a list, tuple or dict in one) to a module's own tensor of a bound name reads the bound
-    tensor during the call (`bind`), and after it every reference to a bound tensor, ours or
-    one forward stored, holds the module's own again (`release`): what torch would hold.
-    """
+    tensor during the call (from construction), and after it every reference to a bound
+    tensor, ours or one forward stored, holds the module's own again (`release`): what torch
+    would hold. Two walks over the modules' attributes (0.3 ms each at 96 modules)."""
 
     def __init__(self, model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
         self.model = model
