@@ -676,6 +676,14 @@ def test_command_line(saved_runs, tmp_path, capsys) -> None:
             main(command)
         assert exit_.value.code == 2
         assert "a world size is at least 1 rank" in capsys.readouterr().err
+    # and so is a bucket cap below 1; an output directory that does not exist is an error
+    # message, not a traceback
+    with pytest.raises(SystemExit) as exit_:
+        main(["reshard", path, str(tmp_path / "z"), "--world-size", "1", "--bucket-cap", "0"])
+    assert exit_.value.code == 2
+    assert "a bucket holds at least 1 element" in capsys.readouterr().err
+    assert main(["consolidate", path, str(tmp_path / "no" / "such" / "all.safetensors")]) == 1
+    assert "error: " in capsys.readouterr().err
 
 
 def test_a_manifest_with_an_impossible_stage_or_step_names_the_file(checkpoint) -> None:

@@ -101,6 +101,16 @@ def _world_size(text: str) -> int:
     return value
 
 
+def _bucket_cap(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of elements: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a bucket holds at least 1 element, got {value}")
+    return value
+
+
 def _meta_hf_model(directory: str) -> torch.nn.Module:
     """The Hugging Face model of `directory`'s config.json, built on `meta` (names, ties and
     config only: no weights are read)."""
@@ -134,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("dst")
     p.add_argument("--world-size", type=_world_size, required=True)
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None)
-    p.add_argument("--bucket-cap", type=int, default=None,
+    p.add_argument("--bucket-cap", type=_bucket_cap, default=None,
                    help="re-plan buckets under this size cap (elements)")
     p = sub.add_parser("consolidate", help="every parameter and buffer in one safetensors file")
     p.add_argument("src")
@@ -176,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {len(files)} files to {args.out_dir}"
                   + ("" if model is not None else " (weights only: --hf-model DIR adds the "
                      "config.json that from_pretrained needs)"))
-    except CheckpointError as error:
+    except (CheckpointError, OSError) as error:  # (OSError: a missing output directory...)
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
