@@ -175,14 +175,11 @@ def test_a_parameter_held_in_a_list_attribute_trains_as_in_torch(stage):
         assert restored
 
 
-class Closed(nn.Module):
+class Closed(Listed):
     """Reads `b.weight` through a closure made in ``__init__``: nothing a step can rebind."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Linear(4, 4).double()
-        self.b = nn.Linear(4, 4).double()
-        self.h = nn.Linear(4, 1).double()
         weight = self.b.weight
         self.read = lambda: weight
 

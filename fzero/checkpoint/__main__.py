@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -91,24 +91,23 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _world_size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number of ranks: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a world size is at least 1 rank, got {value}")
-    return value
+def _at_least_one(unit: str, what: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of `unit`, at least 1 (`what` names the bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number of {unit}: {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{what} at least 1 {unit[:-1]}, got {value}")
+        return value
+
+    return parse
 
 
-def _bucket_cap(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number of elements: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a bucket holds at least 1 element, got {value}")
-    return value
+_world_size = _at_least_one("ranks", "a world size is")
+_bucket_cap = _at_least_one("elements", "a bucket holds")
 
 
 def _meta_hf_model(directory: str) -> torch.nn.Module:
