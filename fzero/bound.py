@@ -42,7 +42,7 @@ from fzero.layout import ShardLayout, first_overlap, in_memory
 
 __all__ = ["Binder", "GradientWatch", "ModuleVersions", "buffer_aliases", "buffers_fingerprint",
            "carry_attributes", "check_buffers", "check_shared_memory", "check_structure", "claim",
-           "module_versions", "requires_grad_flags", "same_values"]
+           "held_tensors", "module_versions", "requires_grad_flags", "same_values"]
 
 T = TypeVar("T")
 
@@ -173,31 +173,41 @@ class _HeldReferences:
 
 
 def _replace_held(model: nn.Module, replacements: Mapping[int, Tensor]) -> None:
-    """In every module's user attributes, and one level into the lists, tuples and dicts they
-    hold, replace each tensor whose id is in `replacements` by its replacement."""
+    """Wherever a module holds a tensor outside its registry (`held_tensors`), replace each
+    one whose id is in `replacements` by its replacement."""
     if not replacements:
         return
     for module in model.modules():
         attributes = vars(module)
-        for attr, value in attributes.items():  # (replacing a value keeps the keys)
-            if attr in _MODULE_INTERNALS:
+        for attr, key, tensor in list(held_tensors(module)):
+            new = replacements.get(id(tensor))
+            if new is None:
                 continue
-            if isinstance(value, Tensor):
-                if id(value) in replacements:
-                    attributes[attr] = replacements[id(value)]
-            elif isinstance(value, list):
-                for index, item in enumerate(value):
-                    if isinstance(item, Tensor) and id(item) in replacements:
-                        value[index] = replacements[id(item)]
-            elif isinstance(value, dict):
-                for key, item in value.items():
-                    if isinstance(item, Tensor) and id(item) in replacements:
-                        value[key] = replacements[id(item)]
-            elif isinstance(value, tuple) and type(value) is tuple and any(
-                    isinstance(item, Tensor) and id(item) in replacements for item in value):
-                attributes[attr] = tuple(
-                    replacements.get(id(item), item) if isinstance(item, Tensor) else item
-                    for item in value)
+            value = attributes[attr]
+            if key is None:
+                attributes[attr] = new
+            elif isinstance(value, tuple):
+                attributes[attr] = (*value[:key], new, *value[key + 1:])
+            else:
+                value[key] = new
+
+
+def held_tensors(module: nn.Module) -> Iterator[tuple[str, Any, Tensor]]:
+    """``(attribute, key, tensor)`` for each tensor `module` holds in its own attributes
+    outside its registries: the attribute's value (key None), or an item of a list, tuple or
+    dict there (key its index or dict key). One level deep; named tuples and other containers
+    are not looked into."""
+    for attr, value in vars(module).items():
+        if attr in _MODULE_INTERNALS:
+            continue
+        if isinstance(value, Tensor):
+            yield attr, None, value
+        elif isinstance(value, list) or type(value) is tuple:
+            yield from ((attr, i, item) for i, item in enumerate(value)
+                        if isinstance(item, Tensor))
+        elif isinstance(value, dict):
+            yield from ((attr, k, item) for k, item in value.items()
+                        if isinstance(item, Tensor))
 
 
 _RUNNING = "_fzero_step_running"
@@ -467,16 +477,11 @@ def check_shared_memory(model: nn.Module) -> None:
         labelled.setdefault(id(buffer), (f"buffer {name!r}", buffer))
     for prefix, module in model.named_modules():
         recomputed = {getattr(hook, "name", None) for hook in module._forward_pre_hooks.values()}
-        for attr, value in vars(module).items():
-            if attr in _MODULE_INTERNALS or attr in recomputed:
-                continue
-            items = (value.items() if isinstance(value, dict) else
-                     enumerate(value) if isinstance(value, list | tuple) else [(None, value)])
-            for key, item in items:
-                if isinstance(item, Tensor) and id(item) not in labelled:
-                    where = f"{prefix}.{attr}" if prefix else attr
-                    where += "" if key is None else f"[{key!r}]"
-                    labelled[id(item)] = (f"attribute {where!r}", item)
+        for attr, key, item in held_tensors(module):
+            if attr not in recomputed and id(item) not in labelled:
+                where = f"{prefix}.{attr}" if prefix else attr
+                where += "" if key is None else f"[{key!r}]"
+                labelled[id(item)] = (f"attribute {where!r}", item)
     pair = first_overlap(
         ((label, t) for label, t in labelled.values() if in_memory(t)),
         counts=lambda a, b: not (a.startswith("parameter") and b.startswith("parameter")))

@@ -396,7 +396,7 @@ def _buffer_aliases(
     if not isinstance(model, nn.Module):
         return own
     named = dict(model.named_buffers())
-    lost = tuple((alias, name) for alias, name in manifest.state.get("buffer_aliases", ())
+    lost = tuple((alias, name) for alias, name in manifest.buffer_aliases.items()
                  if alias in named and name in named
                  and named[alias].is_meta and named[name].is_meta)
     return own + lost

@@ -111,6 +111,12 @@ class Manifest:
         """Bytes of all shard files."""
         return sum(f.bytes for f in self.files)
 
+    @property
+    def buffer_aliases(self) -> dict[str, str]:
+        """Each further name of a buffer registered under several, to the name it is stored
+        under (none in a checkpoint written before fzero recorded them)."""
+        return dict(self.state.get("buffer_aliases", ()))
+
     def to_json(self) -> str:
         """The manifest's JSON text; `Manifest.from_json` is its inverse."""
         doc = {

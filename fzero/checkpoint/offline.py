@@ -91,7 +91,7 @@ def consolidate(
                 out.update(dict.fromkeys(entry.names, view))
         for name in manifest.buffers:
             out[name] = reader.buffer(name)
-        for alias, name in manifest.state.get("buffer_aliases", ()):
+        for alias, name in manifest.buffer_aliases.items():
             out[alias] = out[name]  # one tensor under every name, as tied parameters
     if model is None:
         return out
@@ -347,7 +347,7 @@ def _plan_tensors(
 ) -> list[_Tensor]:
     """What to write, in order: every name of every parameter, then every buffer."""
     located = manifest.layout.locate()
-    buffer_owner = dict(manifest.state.get("buffer_aliases", ()))
+    buffer_owner = manifest.buffer_aliases
     if names is None:
         names = [*located, *manifest.buffers]
     out = []
@@ -423,7 +423,7 @@ def _model_keys(path: str, manifest: Manifest, model: nn.Module) -> list[str]:
     have = {name: entry.shape for name, (_, entry) in located.items()}
     have.update({name: shape for name, (_, shape) in manifest.buffers.items()})
     have.update({alias: manifest.buffers[name][1]
-                 for alias, name in manifest.state.get("buffer_aliases", ())})
+                 for alias, name in manifest.buffer_aliases.items()})
     missing = sorted(set(wanted) - set(have))
     # A smaller model (fewer layers) would take a part of the trained parameters silently.
     dropped = sorted(set(located) - set(wanted))

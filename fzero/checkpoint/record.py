@@ -283,15 +283,14 @@ def build(
 
 
 def _saved_step(saved_steps: Mapping[str, int], entry: Entry) -> int:
-    """The step count saved for `entry`'s tensor, under any of its names (`steps_by_every_name`
-    keys each count by every name the saved tensor had, so a tie renamed or undone since
-    finds its own). Every trainable entry has one: a parameter frozen when saved trains again
-    only with a fresh optimizer, which reads none."""
-    for name in entry.names:
-        if name in saved_steps:
-            return saved_steps[name]
-    raise ValueError(f"the checkpoint records no optimizer step count for parameter "
-                     f"{entry.name!r}")
+    """The step count saved for `entry`'s tensor (`steps_by_every_name` keys each count by
+    every name the saved tensor had, and a load checks that the model has the saved names, so
+    a tie renamed or undone since finds its own). Every trainable entry has one: a parameter
+    frozen when saved trains again only with a fresh optimizer, which reads none."""
+    if entry.name not in saved_steps:
+        raise ValueError(f"the checkpoint records no optimizer step count for parameter "
+                         f"{entry.name!r}")
+    return saved_steps[entry.name]
 
 
 def steps_by_every_name(record: Mapping[str, Any], layout: ShardLayout) -> dict[str, Any]:
