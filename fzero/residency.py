@@ -782,41 +782,50 @@ def _grad_under_guard(guard: _Guard, args: Any, kwargs: Mapping[str, Any]) -> An
     step's own backward: torch calls the mode's handler with the mode switched off, so the
     inner backward's recomputation (non-reentrant checkpointing) and tensor hooks would read
     released buckets unguarded (a crash, or an error blaming an alias). The engine entry point
-    ``grad`` ends in does not dispatch; the arguments are prepared as ``grad`` prepares them.
-    Batched gradients (``is_grads_batched``) and gradient edges run as torch runs them."""
+    ``grad`` ends in does not dispatch; the arguments are prepared as ``grad`` prepares them,
+    gradient edges and batched gradients (``is_grads_batched``, a vmap over the engine call)
+    included."""
     bound = _GRAD_SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     given = bound.arguments
     outputs, inputs = given["outputs"], given["inputs"]
-    if given["is_grads_batched"] or any(
-            isinstance(x, torch.autograd.graph.GradientEdge)
-            for x in (*_as_tuple(outputs), *_as_tuple(inputs))):
-        return torch.autograd.grad(*args, **kwargs)  # (the mode is off here: no recursion)
-    allow_unused = given["allow_unused"]
-    if given["materialize_grads"] and allow_unused is False:
-        return torch.autograd.grad(*args, **kwargs)  # torch's own error
+    allow_unused, materialize = given["allow_unused"], given["materialize_grads"]
+    if materialize and allow_unused is False:
+        return torch.autograd.grad(*args, **kwargs)  # torch's own error (the mode is off here)
     if allow_unused is None:
-        allow_unused = given["materialize_grads"]
+        allow_unused = materialize
     keys = list(inputs) if type(inputs) is dict else None
     outputs = _as_tuple(outputs)
     inputs = tuple(inputs.values()) if keys is not None else _as_tuple(inputs)
     if not inputs:
         return torch.autograd.grad(*args, **kwargs)  # torch's own error
+    batched = given["is_grads_batched"]
     grads = torch.autograd._make_grads(
         outputs, torch.autograd._tensor_or_tensors_to_tuple(given["grad_outputs"],
                                                             len(outputs)),
-        is_grads_batched=False)
+        is_grads_batched=batched)
     create_graph = given["create_graph"]
     retain_graph = create_graph if given["retain_graph"] is None else given["retain_graph"]
+
+    def vjp(grad_outputs: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+        return torch.autograd.graph._engine_run_backward(
+            outputs, grad_outputs, retain_graph, create_graph, inputs, allow_unused,
+            accumulate_grad=False)
+
     guard.residency.inner_backwards += 1
     try:
         with guard:
-            result = torch.autograd.graph._engine_run_backward(
-                outputs, grads, retain_graph, create_graph, inputs, allow_unused,
-                accumulate_grad=False)
+            if batched:
+                result = torch._vmap_internals._vmap(
+                    vjp, 0, 0, allow_none_pass_through=True)(grads)
+            else:
+                result = vjp(grads)
     finally:
         guard.residency.inner_backwards -= 1
-    if given["materialize_grads"]:
+    if materialize:
+        if any(r is None and not isinstance(x, Tensor) for r, x in zip(result, inputs, strict=True)):
+            raise RuntimeError(
+                "materialize_grads cannot be used when the given input is a GradientEdge")
         result = tuple(r if r is not None else torch.zeros_like(x, requires_grad=create_graph)
                        for r, x in zip(result, inputs, strict=True))
     return dict(zip(keys, result, strict=True)) if keys is not None else result

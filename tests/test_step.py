@@ -1075,11 +1075,34 @@ class _PenaltyPaths(nn.Module):
         return self.c(torch.tanh(self.b(h)))
 
 
+def _input_gradient_penalty_by(form: str) -> Callable[[Callable[..., Tensor], Any], Tensor]:
+    """`_input_gradient_penalty` with its ``autograd.grad`` called in another form: ``"plain"``,
+    ``"batched"`` (``is_grads_batched``, a batch of one cotangent) or ``"edge"`` (the input
+    given as its ``GradientEdge``)."""
+    if form == "plain":
+        return _input_gradient_penalty
+
+    def loss_fn(call: Callable[..., Tensor], batch: Any) -> Tensor:
+        x, y = batch
+        x = x.clone().requires_grad_()
+        out = call(x)
+        if form == "batched":
+            (dx,) = torch.autograd.grad(out.sum(), x, grad_outputs=torch.ones(1, dtype=x.dtype),
+                                        create_graph=True, is_grads_batched=True)
+            dx = dx[0]
+        else:
+            (dx,) = torch.autograd.grad(out.sum(), torch.autograd.graph.get_gradient_edge(x),
+                                        create_graph=True)
+        return torch.nn.functional.mse_loss(out, y) + 0.5 * dx.pow(2).sum(1).mean()
+
+    return loss_fn
+
+
 def _penalty_paths_steps(comm: Any, model: nn.Module, batches: Sequence[Any],
-                         prefetch: int) -> Any:
+                         prefetch: int, form: str) -> Any:
     state = fzero.init(model, stage=3, comm=comm, buckets=1,  # one bucket per parameter
                        optimizer=fzero.optim.sgd(lr=0.1, momentum=0.9))
-    step = fzero.make_train_step(model, _input_gradient_penalty, prefetch=prefetch)
+    step = fzero.make_train_step(model, _input_gradient_penalty_by(form), prefetch=prefetch)
     losses = []
     for batch in batches:
         state, metrics = step(state, split_batch(batch, comm.rank, comm.world_size))
@@ -1093,20 +1116,23 @@ def test_a_gradient_penalty_through_recomputation_and_hooks_at_stage_3(kind: str
     guard's handler with the guard switched off, so the inner backward's recomputation and
     tensor hooks read released buckets unguarded: the process crashed (segmentation fault) or
     raised blaming a ``.detach()`` alias (a probe). It now runs with the guard on, its
-    recomputation pinning what it gathers: equal to torch, float64, 1-2 ranks, prefetch 0-1."""
+    recomputation pinning what it gathers: equal to torch, float64, 1-2 ranks, prefetch 0-1;
+    so do batched gradients and gradient edges (which still ran unguarded, and crashed alike),
+    at 2 ranks."""
     model = _PenaltyPaths(kind)
     gen = torch.Generator().manual_seed(8)
     batches = [(torch.randn(6, 5, generator=gen, dtype=torch.float64),
                 torch.randn(6, 3, generator=gen, dtype=torch.float64)) for _ in range(2)]
     want = reference_train(model, _input_gradient_penalty, batches,
                            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), steps=2)
-    for n in (1, 2):
-        for prefetch in (0, 1):
-            for losses, params in fzero.SimWorld(n).run(_penalty_paths_steps, model, batches,
-                                                         prefetch):
-                assert losses == pytest.approx(want.losses, rel=1e-12)
-                for name, value in want.params.items():
-                    torch.testing.assert_close(params[name], value, rtol=1e-12, atol=1e-14)
+    runs = [(n, prefetch, "plain") for n in (1, 2) for prefetch in (0, 1)]
+    runs += [(2, 0, "batched"), (2, 1, "edge")]
+    for n, prefetch, form in runs:
+        for losses, params in fzero.SimWorld(n).run(_penalty_paths_steps, model, batches,
+                                                     prefetch, form):
+            assert losses == pytest.approx(want.losses, rel=1e-12)
+            for name, value in want.params.items():
+                torch.testing.assert_close(params[name], value, rtol=1e-12, atol=1e-14)
 
 
 def exact(actual: Tensor, expected: Tensor) -> None:
