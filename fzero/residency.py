@@ -823,7 +823,8 @@ def _grad_under_guard(guard: _Guard, args: Any, kwargs: Mapping[str, Any]) -> An
     finally:
         guard.residency.inner_backwards -= 1
     if materialize:
-        if any(r is None and not isinstance(x, Tensor) for r, x in zip(result, inputs, strict=True)):
+        if any(r is None and not isinstance(x, Tensor)
+               for r, x in zip(result, inputs, strict=True)):
             raise RuntimeError(
                 "materialize_grads cannot be used when the given input is a GradientEdge")
         result = tuple(r if r is not None else torch.zeros_like(x, requires_grad=create_graph)
