@@ -35,9 +35,10 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import numbers
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +96,7 @@ __all__ = [
     "full_params",
     "make_eval_step",
     "make_train_step",
+    "micro_weights",
     "split_batch",
 ]
 
@@ -145,11 +147,23 @@ def _decayed(layout: ShardLayout, decay: Callable[[str, tuple[int, ...]], bool]
 class MicroBatches(list):
     """Explicit micro-batches for one step: ``step(state, fzero.MicroBatches([mb1, mb2]))``.
 
-    The step averages the micro-batches' losses with equal weights (one backward each), so it
-    equals the loss of the whole batch only when they have the same number of rows (give equal
-    ones, or weight the loss inside ``loss_fn``). Without this wrapper a batch is never taken
-    apart by its container's length: it is split along dim 0 into `accum_steps`.
+    The step's loss is the weighted mean of the micro-batches' losses (one backward each),
+    ``sum(w_i * loss_i) / sum(w_i)``. Without `weights` they weigh the same, which equals the
+    loss of the whole batch only for micro-batches of equal size, so the step raises when
+    their sizes along dim 0 differ (the size of a micro-batch is the most common dim 0 among
+    its tensors). Give `weights` for unequal ones: their rows when ``loss_fn`` means over rows,
+    their target token counts when it means over tokens. Without this wrapper a batch is never
+    taken apart by its container's length: it is split along dim 0 into `accum_steps`.
+
+    Args:
+        micro_batches: the micro-batches, each what ``loss_fn`` takes as its batch.
+        weights: one positive finite number per micro-batch, or None (equal weights).
     """
+
+    def __init__(self, micro_batches: Iterable[Any] = (), *,
+                 weights: Iterable[float] | None = None) -> None:
+        super().__init__(micro_batches)
+        self.weights = None if weights is None else tuple(weights)
 
 
 def make_train_step(
@@ -192,8 +206,9 @@ def make_train_step(
             was not finite; a skipped step with non-finite *parameters* raises at once.
 
     Returns:
-        The step function. ``metrics`` holds ``loss`` (mean over ranks and micro-batches),
-        ``grad_norm`` (before clipping), ``skipped`` (non-finite gradients: no update),
+        The step function. ``metrics`` holds ``loss`` (mean over ranks and micro-batches,
+        these weighted by `MicroBatches` weights), ``grad_norm`` (before clipping),
+        ``skipped`` (non-finite gradients: no update),
         ``nonfinite_ranks`` (ranks whose loss was not finite), ``lr``, ``step``, ``comm_bytes``
         (this rank's bytes sent for parameters and gradients, ring accounting, charged when a
         collective is issued) and ``comm_bytes_by_kind``, ``control_bytes`` (the step's small
@@ -269,6 +284,7 @@ def make_train_step(
         agreed: dict[str, str] = {}  # the settings, part by part
         release: Callable[[], None] | None = None
         named: dict[str, Tensor] = {}  # the module's parameters, by name
+        weights: tuple[float, ...] | None = None  # the micro-batches' shares of the loss
         try:  # the module is released whatever happens, an interrupt included
             try:  # checks that may fail on one rank only: reported to all through the header
                 check_live(state, "step")
@@ -281,6 +297,7 @@ def make_train_step(
                                      "parameter is frozen): there is nothing to train; use "
                                      "make_eval_step")
                 micro_batches = split_batch(batch, accum_steps)
+                weights = micro_weights(batch, micro_batches)
                 if _rows(micro_batches) == 0:
                     raise ValueError("step: the batch has no rows (every tensor's dim 0 is "
                                      "0): a mean over no rows is undefined")
@@ -296,14 +313,16 @@ def make_train_step(
             # (tensors made under inference mode could not be trained with afterwards)
             with (torch.inference_mode(False), state.config.comm.scope(
                     f"train step {state.step + 1}")):
-                return _train(state, micro_batches, problem, applied, agreed, named)
+                return _train(state, micro_batches, weights, problem, applied, agreed,
+                              named)
         finally:
             if release is not None:
                 release()
 
     def _train(
-        state: ShardState, micro_batches: list[Any], problem: Exception | None,
-        applied: float | None, agreed: dict[str, str], named: dict[str, Tensor],
+        state: ShardState, micro_batches: list[Any], weights: tuple[float, ...] | None,
+        problem: Exception | None, applied: float | None, agreed: dict[str, str],
+        named: dict[str, Tensor],
     ) -> tuple[ShardState, dict[str, Any]]:
         nonlocal checked_writes
         comm = state.config.comm
@@ -319,8 +338,9 @@ def make_train_step(
         control_before = control.counters.total()
         buffers_now = {name: b.clone() for name, b in state.buffers.items()}
         side = streams if streams is not None else _streams_of(own_streams, state.config.device)
-        run = _run(state, model, binder, loss_fn, micro_batches, buffers_now, prefetch, side,
-                   sync_buffers=buffers == "broadcast", gate=header.check, leaves=leaves,
+        run = _run(state, model, binder, loss_fn, micro_batches, weights, buffers_now,
+                   prefetch, side, sync_buffers=buffers == "broadcast", gate=header.check,
+                   leaves=leaves,
                    check_writes=not checked_writes, named=named)
         checked_writes = checked_writes or state.stage == 3
         header.check()  # no-op when a reduction waited for it already
@@ -562,6 +582,52 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     ]
 
 
+def micro_weights(batch: Any, micro_batches: Sequence[Any]) -> tuple[float, ...] | None:
+    """Each micro-batch's share of the step's loss, summing to 1; None for equal shares.
+
+    A batch split along dim 0 has equal parts; a `MicroBatches` list has its `weights`
+    (normalized), or none when its micro-batches have the same size along dim 0.
+
+    Raises:
+        ValueError: `MicroBatches` of different sizes without `weights` (equal weights would
+            not be the whole batch's mean), or `weights` that are not one positive finite
+            number per micro-batch.
+    """
+    if not isinstance(batch, MicroBatches):
+        return None
+    weights = getattr(batch, "weights", None)
+    if weights is None:
+        sizes = [_rows([micro]) for micro in micro_batches]
+        if len(set(sizes)) > 1:
+            raise ValueError(
+                f"MicroBatches of different sizes along dim 0 ({sizes[:8]}): the step would "
+                f"average their losses with equal weights, which is not the mean over the "
+                f"whole batch's rows. Give each micro-batch its weight, "
+                f"fzero.MicroBatches(parts, weights={sizes[:8]}) (its rows, when loss_fn means "
+                f"over rows; its target tokens, when over tokens), or micro-batches of equal "
+                f"size")
+        return None
+    numbers = [_real(w) for w in weights]
+    if len(numbers) != len(micro_batches) or not all(
+            w is not None and math.isfinite(w) and w > 0 for w in numbers):
+        raise ValueError(
+            f"MicroBatches(weights=...) needs one positive finite number per micro-batch "
+            f"({len(micro_batches)}); got {list(weights)[:8]}")
+    total = math.fsum(numbers)
+    return tuple(w / total for w in numbers)
+
+
+def _real(value: Any) -> float | None:
+    """`value` as a float when it is a real number (a one-element real tensor included; not
+    a bool), else None."""
+    if isinstance(value, Tensor):
+        real = value.numel() == 1 and not (value.is_complex() or value.dtype == torch.bool)
+        return float(value) if real else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
 # --- running the micro-batches ----------------------------------------------------------------
 
 
@@ -570,6 +636,7 @@ class _Run:
     """What running a step's micro-batches left behind on this rank."""
 
     losses: list[Tensor]
+    weights: tuple[float, ...] | None  # the losses' shares (None: equal)
     grads: list[Tensor]  # per trainable bucket, reduced (stage 0: full; else this rank's shard)
     used: list[bool]  # per trainable entry, whether this rank's backward reached it
     rows: int
@@ -587,6 +654,7 @@ def _run(
     binder: Binder,
     loss_fn: LossFn,
     micro_batches: Sequence[Any],
+    weights: tuple[float, ...] | None,
     buffers: dict[str, Tensor],
     prefetch: int,
     streams: SideStreams | None,
@@ -600,9 +668,11 @@ def _run(
     """Forward and backward of every micro-batch, with the stage's gradient reductions, each
     launched after `gate()` (which raises when the step must not communicate). `named`: the
     module's own parameters (their attributes are carried onto the bound tensors, and they
-    must receive no gradient)."""
+    must receive no gradient); `weights`: the micro-batches' shares of the loss (None:
+    equal)."""
     scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
-    factor = scale / len(micro_batches)
+    factors = ([scale / len(micro_batches)] * len(micro_batches) if weights is None
+               else [scale * weight for weight in weights])
     session_of = (_sharded(state, model, prefetch, streams, train=True,
                            check_writes=check_writes, leaves=leaves.of(state))
                   if state.stage == 3 else _replicated(state, streams, gate, leaves.of(state)))
@@ -624,8 +694,9 @@ def _run(
                     session.skip(last)
                     continue
                 try:
-                    loss = binder.run(bindings, lambda m=micro, lt=last: session.micro_batch(
-                        loss_fn, model, m, factor, lt), keep=buffers)
+                    loss = binder.run(bindings, lambda m=micro, f=factors[index], lt=last:
+                                      session.micro_batch(loss_fn, model, m, f, lt),
+                                      keep=buffers)
                     if loss is not None:
                         losses.append(loss)
                 except PeerFailed:  # a round showed another rank failed: stop with everyone
@@ -640,6 +711,7 @@ def _run(
             failure = _lost_to_the_state(state, session.written, replaced, toggled, watch)
         run = _Run(
             losses=losses,
+            weights=weights,
             grads=grads,
             used=[flag for flags, bucket in zip(session.completion.used, state.layout.buckets,
                                                 strict=True) if bucket.trainable for flag in flags],
@@ -1253,10 +1325,19 @@ def _header(
                   float_bits(lr) if lr is not None else 0, settings)
 
 
+def _mean_loss(run: _Run) -> Tensor:
+    """This rank's loss: the mean of its micro-batches' losses, weighted by their shares."""
+    losses = torch.stack(run.losses).double()
+    if run.weights is None:
+        return losses.mean()
+    shares = run.weights[:len(run.losses)]  # (fewer losses only when the step fails anyway)
+    return losses @ torch.tensor(shares, dtype=torch.float64, device=losses.device)
+
+
 def _exchange(state: ShardState, run: _Run, control: Comm) -> Any:
     comm = state.config.comm
     own = run.failure
-    loss = torch.stack(run.losses).double().mean() if run.losses and not own else None
+    loss = _mean_loss(run) if run.losses and not own else None
     norm = _squared_norm(run.grads, state) if not (own or run.aborted) else None
     high, low = _fingerprint_halves(state) if not own else (None, None)
     loss_sum, squared_norm, high, low = _on_host(loss, norm, high, low)

@@ -6,9 +6,11 @@ dim 0 (explicit micro-batches are `fzero.MicroBatches`)."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import fzero
 
@@ -119,6 +121,50 @@ def test_explicit_micro_batches(stage: int) -> None:
     data = gb.mse_batches(STEPS)
     out = fzero.SimWorld(2).run(gb.micro_batches_body, gb.MLP64(), data, stage=stage, parts=3)
     gb.assert_parity(out[0], mlp_reference())
+
+
+def _weighted_micro_batches(comm: Any, model: nn.Module, batches: Any, *, stage: int,
+                            as_tensors: bool) -> dict[str, Any]:
+    """Each rank's 6 rows as micro-batches of 4 and 2 rows, weighted by their rows."""
+    local = []
+    for batch in batches:
+        x, y = gb.rank_rows(batch, comm.rank, comm.world_size)
+        weights = [torch.tensor(4), torch.tensor(2.0)] if as_tensors else [4, 2]
+        local.append(fzero.MicroBatches([(x[:4], y[:4]), (x[4:], y[4:])], weights=weights))
+    return gb.train(comm, model, gb.mse_loss, local, stage=stage)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_micro_batches_of_different_sizes_weighted_by_their_rows(stage: int) -> None:
+    """MicroBatches of 4 and 2 rows with ``weights=[4, 2]`` equal the whole batch (float64),
+    loss metric included; plain Python numbers or one-element tensors. Without weights they
+    were averaged with equal weights, silently another objective (a probe): that raises now
+    (`test_bad_inputs`)."""
+    want = mlp_reference()
+    for as_tensors in (False, True):
+        out = fzero.SimWorld(2).run(_weighted_micro_batches, gb.MLP64(), gb.mse_batches(STEPS),
+                                    stage=stage, as_tensors=as_tensors)
+        gb.assert_parity(out[0], want)
+
+
+def test_micro_weights_are_shares_of_the_loss() -> None:
+    """`micro_weights`: None for a split batch or equal MicroBatches, normalized shares for
+    given weights, an error naming the sizes for unequal ones without weights (the size of a
+    micro-batch is its most common dim 0, so a (1, T) position tensor does not decide)."""
+    x, pos = torch.zeros(6, 2), torch.zeros(1, 5)
+    split = fzero.step.split_batch(x, 2)
+    assert fzero.step.micro_weights(x, split) is None
+    equal = fzero.MicroBatches([(x[:3], x[:3], pos), (x[3:], x[3:], pos)])
+    assert fzero.step.micro_weights(equal, list(equal)) is None
+    weighted = fzero.MicroBatches([x[:4], x[4:]], weights=(3, 1))
+    assert fzero.step.micro_weights(weighted, list(weighted)) == (0.75, 0.25)
+    unequal = fzero.MicroBatches([(x[:4], pos), (x[4:], pos)])
+    with pytest.raises(ValueError, match=r"different sizes along dim 0 \(\[4, 2\]\)"):
+        fzero.step.micro_weights(unequal, list(unequal))
+    for bad in ([1, float("nan")], [1, -1], [1, "2"], [1, torch.ones(2)], [1, 2, 3]):
+        given = fzero.MicroBatches([x[:4], x[4:]], weights=bad)
+        with pytest.raises(ValueError, match="one positive finite number per micro-batch"):
+            fzero.step.micro_weights(given, list(given))
 
 
 def test_micro_batches_validation() -> None:
