@@ -94,17 +94,24 @@ def sequences(tokens: Tensor, seq_len: int) -> Tensor:
     return tokens[: n * seq_len].view(n, seq_len)
 
 
-def select_trainable(model: nn.Module, patterns: list[str] | None) -> list[str]:
-    """Freeze every parameter not matching a pattern (all train without patterns)."""
-    names = [name for name, _ in model.named_parameters()]
-    if not patterns:
-        return names
-    chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+def select_trainable(model: nn.Module, patterns: list[str] | None) -> list[list[str]]:
+    """Freeze every parameter none of whose names matches a pattern (all train without
+    patterns); returns the names of each trainable tensor. A tied tensor has several names
+    (GPT-2's ``lm_head.weight`` is its ``transformer.wte.weight``): a pattern matching any of
+    them trains it, under every name."""
+    names_of: dict[int, list[str]] = {}
+    tensors = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+        tensors[id(p)] = p
+    chosen = [key for key, names in names_of.items()
+              if not patterns or any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)]
     if not chosen:
-        raise SystemExit(f"--train {patterns} matches no parameter; names look like {names[:4]}")
-    for name, p in model.named_parameters():
-        p.requires_grad_(name in chosen)
-    return chosen
+        every = [n for names in names_of.values() for n in names]
+        raise SystemExit(f"--train {patterns} matches no parameter; names look like {every[:4]}")
+    for key, p in tensors.items():
+        p.requires_grad_(key in chosen)
+    return [names_of[key] for key in chosen]
 
 
 def loss_fn(call, batch: tuple[Tensor]) -> Tensor:
@@ -181,7 +188,8 @@ def train(comm, args: argparse.Namespace) -> dict:
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} is not divisible by {world} ranks")
     model, tokenizer = build_model(args)
-    trainable = select_trainable(model, args.train)
+    tensors = select_trainable(model, args.train)
+    trainable = [name for names in tensors for name in names]
     if args.gradient_checkpointing:  # transformers 5 renamed gradient_ to activation_
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):
@@ -210,8 +218,11 @@ def train(comm, args: argparse.Namespace) -> dict:
         total = sum(p.numel() for p in model.parameters())
         chosen = sum(p.numel() for n, p in model.named_parameters() if n in trainable)
         print(f"{type(model).__name__}: {total:,} parameters, {chosen:,} trainable "
-              f"({len(trainable)} tensors); {len(data):,} sequences of {args.seq_len}; "
+              f"({len(tensors)} tensors); {len(data):,} sequences of {args.seq_len}; "
               f"stage {args.stage} on {world} rank(s)")
+        for names in tensors:
+            if len(names) > 1:
+                print(f"tied, trained as one tensor: {' = '.join(names)}")
 
     losses = []
     bar = tqdm(total=args.steps, disable=rank != 0, desc="fine-tune")

@@ -194,3 +194,17 @@ def test_a_wrong_model_directory_or_a_too_long_sequence_is_named(tmp_path: Path)
                           "--seq-len", "17"])
     with pytest.raises(fzero.SimWorldError, match="--seq-len 17 is longer than the model's 16"):
         fzero.SimWorld(1).run(ft.train, args)
+
+
+def test_a_pattern_matching_a_tied_name_trains_the_tensor() -> None:
+    """GPT-2's ``lm_head.weight`` is its ``transformer.wte.weight`` (tied): ``--train
+    'lm_head.*'`` said "matches no parameter" (the names were listed without duplicates, a
+    probe); it trains the tied tensor, listed under both names, and freezes the rest."""
+    model, _ = ft.build_model(ft.parse_args(TINY))
+    tensors = ft.select_trainable(model, ["lm_head.*"])
+    assert tensors == [["transformer.wte.weight", "lm_head.weight"]]
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        "transformer.wte.weight"]
+    every = ft.select_trainable(model, None)
+    assert len(every) == len(list(model.parameters())) and all(
+        p.requires_grad for p in model.parameters())

@@ -150,12 +150,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("out", help="the .safetensors file to write")
     p.add_argument("--master", action="store_true", help="trainable parameters from the master "
                    "copy (e.g. fp32)")
-    p.add_argument("--dtype", type=_dtype, default=None)
+    p.add_argument("--dtype", type=_dtype, default=None, help="write floating tensors in "
+                   "this dtype (trained parameters cast from the master copy where one is "
+                   "stored, so float32 of a bfloat16 run is the master's values)")
     p.add_argument("--overwrite", action="store_true", help="replace `out` if it exists")
     p = sub.add_parser("export", help="model.safetensors (sharded above a size) for HF / torch")
     p.add_argument("src")
     p.add_argument("out_dir")
-    p.add_argument("--dtype", type=_dtype, default=None)
+    p.add_argument("--dtype", type=_dtype, default=None, help="as consolidate's --dtype")
     p.add_argument("--max-shard-size", type=float, default=DEFAULT_MAX_SHARD_SIZE,
                    help="bytes per file before splitting (default 5e9)")
     p.add_argument("--hf-model", metavar="DIR", default=None,

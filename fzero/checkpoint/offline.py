@@ -112,8 +112,10 @@ def export(
     """Write a checkpoint's model as ``model.safetensors`` in `out_dir` (offline, streamed),
     replacing the weight files of an earlier export there (other files stay).
 
-    The result loads with ``model.load_state_dict(safetensors.torch.load_file(...),
-    strict=True)`` and, for a Hugging Face model, ``from_pretrained(out_dir)``. Above
+    Given `model`, the result loads with ``model.load_state_dict(safetensors.torch.load_file(
+    ...), strict=True)`` and, for a Hugging Face model, ``from_pretrained(out_dir)``; without
+    it, it also holds the non-persistent buffers (rotary ``inv_freq``...), which a strict
+    ``load_state_dict`` refuses as unexpected keys. Above
     `max_shard_size` bytes it is split into ``model-00001-of-0000K.safetensors`` files and a
     ``model.safetensors.index.json`` (Hugging Face's sharded format). One parameter is in
     memory at a time.
