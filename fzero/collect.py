@@ -40,7 +40,7 @@ from torch import Tensor
 
 from fzero.comm import Comm, Work, check_comm, fingerprint_check
 from fzero.flat import unflatten
-from fzero.layout import Bucket, ShardLayout, check_dtypes
+from fzero.layout import Bucket, ShardLayout, check_dtypes, flatten_names
 
 __all__ = [
     "Collectives",
@@ -397,7 +397,7 @@ def collectives(
         issued before the first is waited on.
         """
         indices = _bucket_indices(layout, buckets, len(layout.buckets))
-        _check_grads(grads, layout, located, device)
+        grads = _check_grads(grads, layout, located, device)
         pending = []
         for i in indices:
             bucket = layout.buckets[i]
@@ -523,10 +523,13 @@ def _check_shard(shard: Tensor, layout: ShardLayout, index: int) -> None:
 def _check_grads(
     grads: Mapping[str, Tensor], layout: ShardLayout, located: Mapping[str, Any],
     device: torch.device,
-) -> None:
+) -> dict[str, Tensor]:
+    """`grads` by dotted name (nested mappings flattened, as `plan` takes them), checked
+    against the layout: known names, the parameters' shapes, dtypes and the comm's device."""
     if not isinstance(grads, Mapping):
         raise TypeError(f"scatter_grads needs a mapping of parameter names to gradients, got "
                         f"{type(grads).__name__}")
+    grads = flatten_names(grads)
     for name, grad in grads.items():
         if name not in located:
             raise ValueError(f"gradient for unknown parameter {name!r}")
@@ -541,11 +544,18 @@ def _check_grads(
                 f"gradient of {name!r} is on {grad.device}, but the comm's tensors are on "
                 f"{device}: move it there first"
             )
-        if not layout.buckets[located[name][0]].torch_dtype.is_floating_point:
+        dtype = layout.buckets[located[name][0]].torch_dtype
+        if not dtype.is_floating_point:
             raise ValueError(
                 f"gradient given for {name!r}, a {entry.dtype} parameter: integer parameters "
                 f"have no gradient (their shards come back as zeros)"
             )
+        if grad.dtype != dtype:
+            raise ValueError(
+                f"gradient of {name!r} is {grad.dtype}, but the parameter is {dtype} (torch "
+                f"refuses a .grad of another dtype too): cast it, or compute it in {dtype}"
+            )
+    return grads
 
 
 def _flat_grad(

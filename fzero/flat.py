@@ -28,7 +28,7 @@ from typing import Any
 import einops
 import torch
 
-from fzero.layout import Bucket, ShardLayout, _check_rank, flatten_names
+from fzero.layout import Bucket, ShardLayout, _check_rank, flatten_names, in_memory
 
 __all__ = [
     "alias_leaves",
@@ -150,6 +150,7 @@ def unshard(
 
 def entry_views(flat: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
     """Views of a bucket's ``(padded_numel,)`` flat buffer, one per entry, in its shape."""
+    _check_flat(flat, bucket, "entry_views")
     return [flat[entry.offset : entry.end].view(entry.shape) for entry in bucket.entries]
 
 
@@ -161,6 +162,7 @@ def alias_leaves(flat: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
     flat leaf runs at the end of backward (see `fzero.buckets`). Create them while the storage
     is allocated: `set_` checks bounds, so a storage resized to 0 bytes cannot be aliased.
     """
+    _check_flat(flat, bucket, "alias_leaves")
     storage = flat.untyped_storage()
     base = flat.storage_offset()
     leaves = []
@@ -174,6 +176,7 @@ def alias_leaves(flat: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
 
 def shard_view(flat: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
     """Rank `rank`'s ``(shard_numel,)`` slice of a bucket's padded flat buffer (a view)."""
+    _check_flat(flat, bucket, "shard_view")
     lo, hi = bucket.shard_range(rank)
     return flat[lo:hi]
 
@@ -314,18 +317,51 @@ def _match(params: Mapping[str, Any], layout: ShardLayout) -> dict[str, torch.Te
                 raise ValueError(
                     f"parameter {entry.name!r} is missing (layout bucket {bucket.label!r})"
                 )
-            tensor = given[name]
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(
-                    f"parameter {name!r} is a {type(tensor).__name__}, expected a torch.Tensor"
-                )
-            if tuple(tensor.shape) != entry.shape or tensor.dtype != bucket.torch_dtype:
-                raise ValueError(
-                    f"parameter {name!r} has shape {tuple(tensor.shape)} and dtype "
-                    f"{tensor.dtype}; the layout expects {entry.shape} and {bucket.torch_dtype}"
-                )
-            tensors[entry.name] = tensor
+            for other in (n for n in entry.names if n in given):
+                _check_tensor(other, given[other], entry.shape, bucket.torch_dtype)
+                if other != name and not _same_tensor(given[other], given[name]):
+                    raise ValueError(
+                        f"parameters {name!r} and {other!r} are one tied tensor in the layout, "
+                        f"but were given different values: one name's would be dropped; give "
+                        f"one of them, or the same tensor under both")
+            tensors[entry.name] = given[name]
     return tensors
+
+
+def _check_tensor(name: str, tensor: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Raise unless `tensor` is a tensor of `shape` and `dtype` (parameter `name`)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"parameter {name!r} is a {type(tensor).__name__}, expected a torch.Tensor")
+    if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        raise ValueError(
+            f"parameter {name!r} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; "
+            f"the layout expects {shape} and {dtype}")
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two names' tensors are one: the same object, the same memory, or equal bits."""
+    if a is b:
+        return True
+    if not (in_memory(a) and in_memory(b)):  # (meta: no values to tell apart)
+        return not (in_memory(a) or in_memory(b))
+    if a.device != b.device:
+        return False
+    return (a.stride() == b.stride() and a.data_ptr() == b.data_ptr()) or torch.equal(
+        bits(a), bits(b))
+
+
+def _check_flat(flat: torch.Tensor, bucket: Bucket, what: str) -> None:
+    """Raise unless `flat` is a bucket's flat buffer: 1-D, contiguous, ``padded_numel``
+    elements of its dtype (a column of a 2-D buffer or a shorter slice gave views of other
+    memory, silently)."""
+    if not (isinstance(flat, torch.Tensor) and flat.dim() == 1 and flat.is_contiguous()
+            and flat.numel() == bucket.padded_numel and flat.dtype == bucket.torch_dtype):
+        got = (f"shape {tuple(flat.shape)}, stride {flat.stride()}, {flat.dtype}"
+               if isinstance(flat, torch.Tensor) else type(flat).__name__)
+        raise ValueError(
+            f"{what}: bucket {bucket.label!r} needs its flat buffer, a contiguous 1-D "
+            f"{bucket.dtype} tensor of {bucket.padded_numel} elements; got {got}")
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -445,10 +445,12 @@ def flatten_names(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         if not isinstance(key, str):
             raise TypeError(f"parameter names must be str, got {key!r} under {prefix!r}")
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flatten_names(value, f"{name}."))
-        else:
-            flat[name] = value
+        inner = flatten_names(value, f"{name}.") if isinstance(value, Mapping) else {name: value}
+        twice = sorted(set(inner) & set(flat))
+        if twice:
+            raise ValueError(f"parameter name {twice[0]!r} is given twice (as a dotted key "
+                             f"and through nested mappings): which tensor is meant?")
+        flat.update(inner)
     return flat
 
 
@@ -545,6 +547,14 @@ def _trainable_predicate(
         TypeError: `trainable` is none of the accepted kinds.
     """
     if trainable is None:
+        for owner, others in aliases.items():
+            flags = {name: tensors[name].requires_grad for name in (owner, *others)}
+            if len(set(flags.values())) > 1:
+                raise ValueError(
+                    f"the names of one tied tensor differ in requires_grad, {flags} (one of "
+                    f"them a detach() or a state_dict() entry?): they are one tensor, which "
+                    f"trains or not as a whole; give them the same flag, or say which train "
+                    f"with trainable=")
         return lambda name: tensors[name].requires_grad
     opinion = _opinion(trainable, tensors)
     decided: dict[str, bool] = {}

@@ -639,7 +639,8 @@ def cosine_schedule(
     With 1-based ``step``: ``peak_lr * step / warmup_steps`` for ``step <= warmup_steps``;
     then ``min_lr + (peak_lr - min_lr) * (1 + cos(pi * t)) / 2`` with
     ``t = (step - warmup_steps) / (total_steps - warmup_steps)``; ``min_lr`` from
-    ``total_steps`` on.
+    ``total_steps`` on, after the warmup (``warmup_steps == total_steps``: ``peak_lr`` at
+    that step, ``min_lr`` after it).
 
     Args:
         peak_lr: learning rate at the end of warmup, >= 0.

@@ -64,26 +64,19 @@ __all__ = [
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int64, torch.int32)
-# Bitwise views: every dtype compared through an integer type of the same width.
-_BITS = {
-    torch.float64: torch.int64,
-    torch.float32: torch.int32,
-    torch.bfloat16: torch.int16,
-    torch.float16: torch.int16,
-    torch.int64: torch.int64,
-    torch.int32: torch.int32,
-    torch.int16: torch.int16,
-    torch.int8: torch.int8,
-    torch.uint8: torch.uint8,
-    torch.bool: torch.bool,
-}
+# Bitwise views: every dtype compared through an integer type of its width (complex128, 16
+# bytes, as its real and imaginary parts).
+_INTEGER_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bits(tensor: Tensor) -> Tensor:
-    """The tensor's raw bits as integers, for bitwise comparison (NaN-safe)."""
-    if tensor.dtype not in _BITS:
-        raise TypeError(f"no bitwise view for dtype {tensor.dtype}; supported: {list(_BITS)}")
-    return tensor.detach().contiguous().view(_BITS[tensor.dtype])
+    """The tensor's raw bits as integers, for bitwise comparison (NaN-safe); any dtype."""
+    tensor = tensor.detach().contiguous()
+    if tensor.dtype == torch.bool:
+        return tensor
+    if tensor.dtype.is_complex:
+        tensor = torch.view_as_real(tensor)
+    return tensor.view(_INTEGER_OF_WIDTH[tensor.element_size()])
 
 
 def bitwise_equal(a: Tensor, b: Tensor) -> bool:
@@ -93,9 +86,12 @@ def bitwise_equal(a: Tensor, b: Tensor) -> bool:
 
 def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> Tensor:
     """A tensor of `shape` whose elements are uniformly random bit patterns of `dtype`."""
-    width = _BITS[dtype]
-    if width == torch.bool:
+    if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_complex:
+        real = _random_bits((*shape, 2), dtype.to_real(), gen)
+        return torch.view_as_complex(real)
+    width = _INTEGER_OF_WIDTH[torch.empty(0, dtype=dtype).element_size()]
     info = torch.iinfo(width)
     raw = torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64)
     return raw.to(width).view(dtype)
@@ -309,6 +305,10 @@ def check_roundtrip(
                 _assert_same(fzero.unshard(shards, layout), params, f"{where}, unshard")
                 flats = fzero.flatten(params, layout)
                 _assert_same(fzero.unflatten(flats, layout), params, f"{where}, unflatten")
+                _assert_zero_padding(layout, flats, "flatten", where)
+                _assert_zero_padding(layout, [torch.cat([s[b] for s in shards])
+                                              for b in range(len(layout.buckets))],
+                                     "the shards", where)
                 if gather:
                     # The ranks only read their inputs: share them rather than copy them.
                     results = fzero.SimWorld(n, copy_args=False).run(_gather_rank, layout, shards)
@@ -316,6 +316,16 @@ def check_roundtrip(
                         _assert_same(full, params, f"{where}, gather on rank {rank}")
             checked += 1
     return checked
+
+
+def _assert_zero_padding(layout: fzero.ShardLayout, flats: Sequence[Tensor], made: str,
+                         where: str) -> None:
+    """Every bucket's padding (past its last entry) in `flats` is zero bits."""
+    for bucket, flat in zip(layout.buckets, flats, strict=True):
+        tail = flat[bucket.numel:]
+        if bool((bits(tail) != 0).any()):
+            raise AssertionError(f"{where}: the padding of bucket {bucket.label!r} made by "
+                                 f"{made} is not zero: {tail.tolist()[:8]}")
 
 
 def _bits_like(layout: fzero.ShardLayout) -> dict[str, Tensor]:
@@ -371,8 +381,10 @@ def check_step_parity(
     A float64 copy of `model` trains on each global batch in `batches` twice: with
     `fzero.make_train_step` on a `SimWorld` of N ranks per stage and N (rank r takes rows
     [r * B / N, (r + 1) * B / N) of every tensor), and in one process with the matching
-    ``torch.optim`` optimizer on the whole batch. Losses (before each update) and the final
-    parameters must agree within `rtol` / `atol`, and every rank must gather the same parameters.
+    ``torch.optim`` optimizer on the whole batch. Losses (before each update), gradient norms
+    (before clipping: Adam's update hides a gradient off by a constant factor, the norm does
+    not) and the final parameters must agree within `rtol` / `atol`, the parameters must be
+    finite, and every rank must gather the same parameters.
     Weight decay applies to every trainable parameter, as in a single torch param group.
 
     Args:
@@ -409,8 +421,8 @@ def check_step_parity(
             if rows % n:
                 raise ValueError(f"batch {i} has {rows} rows, not divisible by world size {n}")
     model = copy.deepcopy(model).double()
-    want_losses, want = _reference(model, loss_fn, batches, _OPTIMIZERS[name][1], kwargs,
-                                   clip_norm)
+    want_losses, want_norms, want = _reference(model, loss_fn, batches, _OPTIMIZERS[name][1],
+                                               kwargs, clip_norm)
     errors = {}
     for stage in stages:
         for n in world_sizes:
@@ -418,16 +430,18 @@ def check_step_parity(
                 _train_rank, model, loss_fn, batches, stage, name, kwargs, clip_norm
             )
             where = f"stage {stage}, N={n}"
-            for rank, (losses, params) in enumerate(results):
-                for step, (got, exp) in enumerate(zip(losses, want_losses, strict=True), 1):
-                    if not math.isclose(got, exp, rel_tol=rtol, abs_tol=atol):
-                        raise AssertionError(
-                            f"{where}, rank {rank}: loss of step {step} is {got!r}, "
-                            f"torch.optim gives {exp!r}"
-                        )
+            for rank, (losses, norms, params) in enumerate(results):
+                for what, values, expected in (("loss", losses, want_losses),
+                                               ("gradient norm", norms, want_norms)):
+                    for step, (got, exp) in enumerate(zip(values, expected, strict=True), 1):
+                        if not math.isclose(got, exp, rel_tol=rtol, abs_tol=atol):
+                            raise AssertionError(
+                                f"{where}, rank {rank}: {what} of step {step} is {got!r}, "
+                                f"torch.optim gives {exp!r}"
+                            )
                 if rank:
-                    _assert_same(params, results[0][1], f"{where}: rank {rank} vs rank 0")
-            errors[(stage, n)] = _compare_params(results[0][1], want, rtol, atol, where)
+                    _assert_same(params, results[0][2], f"{where}: rank {rank} vs rank 0")
+            errors[(stage, n)] = _compare_params(results[0][2], want, rtol, atol, where)
     return errors
 
 
@@ -460,35 +474,41 @@ def _decay_all(name: str, shape: tuple[int, ...]) -> bool:
 def _train_rank(
     comm: Any, model: nn.Module, loss_fn: Callable, batches: list, stage: int, name: str,
     kwargs: dict[str, Any], clip_norm: float | None,
-) -> tuple[list[float], dict[str, Tensor]]:
+) -> tuple[list[float], list[float], dict[str, Tensor]]:
     optimizer = _OPTIMIZERS[name][0](**kwargs)
     state = fzero.init(model, stage=stage, optimizer=optimizer, comm=comm,
                        master_dtype=torch.float64)
     step = fzero.make_train_step(model, loss_fn, clip_norm=clip_norm, decay=_decay_all)
-    losses = []
+    losses, norms = [], []
     for batch in batches:
         state, metrics = step(state, _rank_rows(batch, comm.rank, comm.world_size))
         losses.append(metrics["loss"])
-    return losses, fzero.full_params(state)
+        norms.append(metrics["grad_norm"])
+    return losses, norms, fzero.full_params(state)
 
 
 def _reference(
     model: nn.Module, loss_fn: Callable, batches: list, factory: Callable, kwargs: dict,
     clip_norm: float | None,
-) -> tuple[list[float], dict[str, Tensor]]:
+) -> tuple[list[float], list[float], dict[str, Tensor]]:
+    """Losses, gradient norms (before clipping) and final parameters of one-process torch."""
     model = copy.deepcopy(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = factory(trainable, **kwargs)
-    losses = []
+    losses, norms = [], []
     for batch in batches:
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model, batch)
         loss.backward()
+        grads = [p.grad for p in trainable if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0)
         if clip_norm is not None:
             nn.utils.clip_grad_norm_(trainable, clip_norm)
         opt.step()
         losses.append(loss.item())
-    return losses, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    params = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    return losses, norms, params
 
 
 def _compare_params(
@@ -499,6 +519,9 @@ def _compare_params(
     for name, value in want.items():
         if name not in got:
             raise AssertionError(f"{where}: parameter {name!r} is missing from full_params")
+        for whose, tensor in (("fzero's", got[name]), ("torch.optim's", value)):
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise AssertionError(f"{where}: {whose} parameter {name!r} is not finite")
         diff = (got[name].double() - value.double()).abs()
         if diff.numel() == 0:
             continue

@@ -308,7 +308,7 @@ def tied_grads_body(comm: Comm, params: Params, x: Tensor) -> dict[str, Any]:
     out: dict[str, Any] = {"same_object": shared["emb"] is shared["head"],
                            "shared": scatter_grads(shared), "separate": scatter_grads(separate)}
     try:
-        scatter_grads({"emb": torch.zeros(4, 3), "steps": torch.zeros(2)})
+        scatter_grads({"emb": torch.zeros(4, 3, dtype=torch.float64), "steps": torch.zeros(2)})
     except ValueError as exc:
         out["integer"] = str(exc)
     try:

@@ -392,6 +392,11 @@ CASES = [
          lambda c: fzero.collectives(c.layout, c.comm).scatter_grads(
              {"fc1.bias": torch.zeros(12)}), VE,
          r"gradient of 'fc1.bias' has shape \(12,\), but the parameter has shape \(13,\)"),
+    # (cast silently, where torch refuses a .grad of another dtype: a probe)
+    Case("scatter_grads: a gradient of another dtype",
+         lambda c: fzero.collectives(c.layout, c.comm).scatter_grads(
+             {"fc1.bias": torch.zeros(13, dtype=torch.float64)}), VE,
+         r"gradient of 'fc1.bias' is torch.float64, but the parameter is torch.float32"),
     Case("scatter_grads: a list, not a mapping",
          lambda c: fzero.collectives(c.layout, c.comm).scatter_grads([torch.zeros(13)]), TE,
          "grads"),

@@ -834,3 +834,20 @@ def test_cuda_gather_async_on_side_stream(bare_env: pytest.MonkeyPatch) -> None:
             exact(grad, 2 * shard)
         torch.cuda.synchronize()
     assert not dist.is_initialized()
+
+
+def _nested_and_dotted(comm: Any) -> Any:
+    params = {"l1": {"weight": torch.arange(6.0).view(2, 3), "bias": torch.ones(2)}}
+    layout = fzero.plan(params, comm.world_size)
+    scatter = fzero.collectives(layout, comm).scatter_grads
+    nested = {"l1": {"weight": torch.full((2, 3), 2.0), "bias": torch.full((2,), 3.0)}}
+    dotted = {"l1.weight": torch.full((2, 3), 2.0), "l1.bias": torch.full((2,), 3.0)}
+    return scatter(nested), scatter(dotted)
+
+
+def test_scatter_grads_takes_nested_gradients_as_plan_takes_parameters() -> None:
+    """A nested mapping of gradients raised "gradient for unknown parameter 'l1'", though
+    `plan`, `flatten` and `shard` take nested parameters (a probe)."""
+    for nested, dotted in fzero.SimWorld(3).run(_nested_and_dotted):
+        for a, b in zip(nested, dotted, strict=True):
+            exact(a, b)

@@ -356,3 +356,70 @@ def test_fingerprint_sees_values_moved_between_blocks(shape: tuple[int, ...]) ->
     assert int(fingerprint(x.flip(-1).contiguous())) != before
     words = x.reshape(-1)[:128].view(torch.float64)  # 64 words: one block
     assert int(fingerprint(words.flip(0).contiguous())) == int(fingerprint(words))
+
+
+# --- inputs the pure functions refuse (each was accepted silently: a probe) --------------------
+
+
+def _tied() -> tuple[torch.Tensor, fzero.ShardLayout]:
+    weight = torch.arange(12.0).view(4, 3)
+    return weight, fzero.plan({"emb.weight": weight, "head.weight": weight}, 2)
+
+
+def test_flatten_and_shard_check_every_name_of_a_tied_tensor() -> None:
+    """Only a tied tensor's first given name was checked: its other name with other values,
+    another shape or dtype, or no tensor at all was dropped. The same tensor, a view of the
+    same memory or equal bits under both names are one tensor and pass."""
+    weight, layout = _tied()
+    for same in (weight, weight.detach(), weight.clone()):
+        params = {"emb.weight": weight, "head.weight": same}
+        assert bitwise_equal(fzero.flatten(params, layout)[0][:12], weight.view(-1))
+    bad = [(weight + 1, ValueError, "one tied tensor in the layout, but were given different"),
+           (torch.zeros(7), ValueError, r"'head.weight' has shape \(7,\)"),
+           (weight.double(), ValueError, "'head.weight' has shape .* dtype torch.float64"),
+           ("w", TypeError, "'head.weight' is a str")]
+    for other, error, match in bad:
+        params = {"emb.weight": weight, "head.weight": other}
+        for call in (lambda p: fzero.flatten(p, layout), lambda p: fzero.shard(p, layout, 1)):
+            with pytest.raises(error, match=match):
+                call(params)
+
+
+def test_a_name_given_twice_raises() -> None:
+    """``{"a.b": t1, "a": {"b": t2}}`` was planned as one parameter, one tensor dropped."""
+    tree = {"a.b": torch.zeros(3), "a": {"b": torch.ones(3)}}
+    with pytest.raises(ValueError, match="parameter name 'a.b' is given twice"):
+        fzero.plan(tree, 2)
+    layout = fzero.plan({"a": {"b": torch.zeros(3)}}, 2)
+    with pytest.raises(ValueError, match="'a.b' is given twice"):
+        fzero.flatten(tree, layout)
+
+
+def test_a_tie_whose_names_differ_in_requires_grad_raises() -> None:
+    """``{"emb.weight": p, "head.weight": p.detach()}`` trained or froze the tensor by which
+    name came first."""
+    p = torch.nn.Parameter(torch.zeros(4, 3))
+    for params in ({"emb.weight": p, "head.weight": p.detach()},
+                   {"head.weight": p.detach(), "emb.weight": p}):
+        with pytest.raises(ValueError, match="one tied tensor differ in requires_grad"):
+            fzero.plan(params, 2)
+    assert fzero.plan({"emb.weight": p, "head.weight": p.detach()}, 2,
+                      trainable=["emb.weight", "head.weight"]).buckets[0].trainable
+
+
+def test_views_of_a_flat_buffer_check_it_is_one() -> None:
+    """A column of a 2-D buffer gave `alias_leaves` other elements than `entry_views` (it
+    ignored strides), a shorter slice let it read past the flat's end and `shard_view` return
+    nothing, a flat of another dtype was reinterpreted."""
+    layout = fzero.plan({"a": torch.zeros(2, 3), "b": torch.zeros(3)}, 2, buckets=None)
+    bucket = layout.buckets[0]
+    n = bucket.padded_numel
+    good = torch.arange(float(n))
+    assert [t.tolist() for t in fzero.flat.alias_leaves(good, bucket)] == [
+        t.tolist() for t in fzero.flat.entry_views(good, bucket)]
+    for flat in (torch.zeros(n, 2)[:, 0], torch.zeros(n + 4)[2:-3], torch.zeros(n).double()):
+        for view in (fzero.flat.entry_views, fzero.flat.alias_leaves,
+                     lambda f, b: fzero.flat.shard_view(f, b, 1)):
+            with pytest.raises(ValueError, match=f"needs its flat buffer, a contiguous 1-D "
+                                                 f"float32 tensor of {n} elements"):
+                view(flat, bucket)

@@ -133,6 +133,7 @@ LAST = "lm_head.weight"  # the last name the GPT gives a parameter (wte.weight's
     ("params", (None, LAST), rf"stage 1, N=2: parameter '{LAST}' differs from torch.optim"),
     ("params", (1, None), r"stage 1, N=2: rank 1 vs rank 0"),
     ("losses", (0, 2), r"stage 1, N=2, rank 0: loss of step 3"),
+    ("norms", (1, 1), r"stage 1, N=2, rank 1: gradient norm of step 2"),
 ])
 def test_check_step_parity_sees_a_deviation_of_one_part_in_ten_million(
     monkeypatch: pytest.MonkeyPatch, where: str, what: tuple[int | None, object], raised: str
@@ -143,14 +144,16 @@ def test_check_step_parity_sees_a_deviation_of_one_part_in_ten_million(
     rank, key = what
 
     def deviating(comm, *args, **kwargs):
-        losses, params = real(comm, *args, **kwargs)
+        losses, norms, params = real(comm, *args, **kwargs)
         if rank is None or comm.rank == rank:  # None: every rank alike
             if where == "params":
                 name = key or next(iter(params))
                 params = {**params, name: params[name] * (1 + 1e-7)}
+            elif where == "norms":
+                norms = [*norms[:key], norms[key] * (1 + 1e-7)]
             else:
                 losses = [*losses[:key], losses[key] * (1 + 1e-7)]
-        return losses, params
+        return losses, norms, params
 
     monkeypatch.setattr(testing, "_train_rank", deviating)
     assert list(dict(tiny_gpt().named_parameters(remove_duplicate=False)))[-1] == LAST
@@ -189,3 +192,64 @@ def test_check_roundtrip_sees_a_gather_broken_on_one_rank(
     monkeypatch.setattr(testing, "_gather_rank", broken_on_rank_1)
     with pytest.raises(AssertionError, match=r"N=2, buckets=None, model values, gather on rank 1"):
         check_roundtrip(tiny_gpt(), world_sizes=(2,), buckets=(None,))
+
+
+def test_check_step_parity_sees_gradients_n_times_too_large_under_adam(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Adam's update is blind to a constant factor on the gradient, so with the default AdamW
+    a reduction that sums instead of averaging passed at every stage (a probe); the gradient
+    norm, compared with torch's, shows it."""
+    from fzero import testing
+
+    real = testing._train_rank
+
+    def doubled_norms(comm, *args, **kwargs):  # as a summing reduction reports at N = 2
+        losses, norms, params = real(comm, *args, **kwargs)
+        return losses, [2 * n for n in norms], params
+
+    monkeypatch.setattr(testing, "_train_rank", doubled_norms)
+    with pytest.raises(AssertionError, match=r"stage 2, N=2, rank 0: gradient norm of step 1"):
+        check_step_parity(tiny_gpt(), loss_fn, gpt_batches(1), stages=(2,), world_sizes=(2,))
+
+
+def test_check_step_parity_sees_nan_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN difference compares False with any tolerance: NaN final parameters passed
+    (a probe). Non-finite parameters on either side raise now."""
+    from fzero import testing
+
+    real = testing._train_rank
+
+    def nan_params(comm, *args, **kwargs):
+        losses, norms, params = real(comm, *args, **kwargs)
+        return losses, norms, {n: torch.full_like(p, torch.nan) for n, p in params.items()}
+
+    monkeypatch.setattr(testing, "_train_rank", nan_params)
+    with pytest.raises(AssertionError, match=r"stage 1, N=1: fzero's parameter .* is not finite"):
+        check_step_parity(tiny_gpt(), loss_fn, gpt_batches(1), stages=(1,), world_sizes=(1,))
+
+
+def test_check_roundtrip_sees_padding_that_is_not_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Padding must be zero (``fzero.flat``'s equations); an unshard or flatten that keeps
+    every value but fills padding with garbage passed (a probe)."""
+    flatten = fzero.flatten
+
+    def dirty(params, layout):
+        flats = flatten(params, layout)
+        for flat, bucket in zip(flats, layout.buckets, strict=True):
+            flat[bucket.numel:] = 7
+        return flats
+
+    monkeypatch.setattr(fzero, "flatten", dirty)
+    with pytest.raises(AssertionError, match=r"N=3, buckets=None, model values: the padding of "
+                                             r"bucket .* made by flatten is not zero"):
+        check_roundtrip(tiny_gpt(), world_sizes=(3,), buckets=(None,), gather=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.float8_e4m3fn,
+                                   torch.float8_e5m2, torch.uint16, torch.uint32])
+def test_check_roundtrip_takes_every_dtype_fzero_shards(dtype: torch.dtype) -> None:
+    """Complex, float8 and unsigned parameters raised a bare KeyError (no bitwise view)."""
+    model = torch.nn.Linear(3, 5)
+    model.weight = torch.nn.Parameter(torch.zeros(5, 3).to(dtype), requires_grad=False)
+    assert check_roundtrip(model, world_sizes=(1, 2), buckets=(None,)) == 2
