@@ -352,16 +352,16 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check_flat(flat: torch.Tensor, bucket: Bucket, what: str) -> None:
-    """Raise unless `flat` is a bucket's flat buffer: 1-D, contiguous, ``padded_numel``
-    elements of its dtype (a column of a 2-D buffer or a shorter slice gave views of other
-    memory, silently)."""
+    """Raise unless `flat` is laid out as a bucket's flat buffer: 1-D, contiguous,
+    ``padded_numel`` elements (a column of a 2-D buffer or a shorter slice gave views of other
+    memory, silently). Any dtype: a master copy, gradients or moments are such buffers too."""
     if not (isinstance(flat, torch.Tensor) and flat.dim() == 1 and flat.is_contiguous()
-            and flat.numel() == bucket.padded_numel and flat.dtype == bucket.torch_dtype):
-        got = (f"shape {tuple(flat.shape)}, stride {flat.stride()}, {flat.dtype}"
+            and flat.numel() == bucket.padded_numel):
+        got = (f"shape {tuple(flat.shape)}, stride {flat.stride()}"
                if isinstance(flat, torch.Tensor) else type(flat).__name__)
         raise ValueError(
-            f"{what}: bucket {bucket.label!r} needs its flat buffer, a contiguous 1-D "
-            f"{bucket.dtype} tensor of {bucket.padded_numel} elements; got {got}")
+            f"{what}: bucket {bucket.label!r} needs a flat buffer, a contiguous 1-D tensor of "
+            f"{bucket.padded_numel} elements; got {got}")
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -523,7 +523,7 @@ class Residency:
                 self.need(index, evict=not recompute, pin=recompute)
             frozen = [i for i in needs if i in self.frozen]
             if frozen and torch.is_grad_enabled():
-                self._unpin_after_backward(frozen, args, kwargs)
+                self._unpin_after_backward(frozen, args, kwargs, pinned=recompute)
 
         def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if self.stack and self.stack[-1] is module:
@@ -544,7 +544,15 @@ class Residency:
             for handle in handles:
                 handle.remove()
 
-    def _unpin_after_backward(self, buckets: list[int], args: Any, kwargs: Any) -> None:
+    def _unpin_after_backward(self, buckets: list[int], args: Any, kwargs: Any, *,
+                              pinned: bool) -> None:
+        """Once backward has computed the gradients of a module's inputs, the module is done
+        with its frozen `buckets` (they get no gradient of their own to mark it): undo this
+        use's pin (`pinned`: a recomputation's use, which pinned each once) and release what
+        nothing else holds. Only this use's pin: other modules sharing a frozen bucket may
+        still read it (resetting the count released a bucket whose recomputed saved tensors
+        a later node read: a crash, a probe found, with Hugging Face's checkpointing of a
+        block partly frozen)."""
         inputs = [
             x for x in (*args, *kwargs.values())
             if isinstance(x, Tensor) and x.requires_grad
@@ -553,8 +561,9 @@ class Residency:
             return
 
         def done(_: Any) -> None:
-            for index in buckets:
-                self.pinned[index] = 0
+            if pinned:
+                for index in buckets:
+                    self.pinned[index] = max(0, self.pinned[index] - 1)
             if self.phase == "backward":
                 self._evict({*([self.current] if self.current is not None else []),
                              *self._ahead()})

@@ -410,16 +410,18 @@ def test_a_tie_whose_names_differ_in_requires_grad_raises() -> None:
 def test_views_of_a_flat_buffer_check_it_is_one() -> None:
     """A column of a 2-D buffer gave `alias_leaves` other elements than `entry_views` (it
     ignored strides), a shorter slice let it read past the flat's end and `shard_view` return
-    nothing, a flat of another dtype was reinterpreted."""
+    nothing (a probe). Another dtype is fine: master copies, gradients and moments."""
     layout = fzero.plan({"a": torch.zeros(2, 3), "b": torch.zeros(3)}, 2, buckets=None)
     bucket = layout.buckets[0]
     n = bucket.padded_numel
     good = torch.arange(float(n))
     assert [t.tolist() for t in fzero.flat.alias_leaves(good, bucket)] == [
         t.tolist() for t in fzero.flat.entry_views(good, bucket)]
-    for flat in (torch.zeros(n, 2)[:, 0], torch.zeros(n + 4)[2:-3], torch.zeros(n).double()):
+    for flat in (torch.zeros(n, 2)[:, 0], torch.zeros(n + 4)[2:-3], torch.zeros(n, 1)):
         for view in (fzero.flat.entry_views, fzero.flat.alias_leaves,
                      lambda f, b: fzero.flat.shard_view(f, b, 1)):
-            with pytest.raises(ValueError, match=f"needs its flat buffer, a contiguous 1-D "
-                                                 f"float32 tensor of {n} elements"):
+            with pytest.raises(ValueError, match=f"needs a flat buffer, a contiguous 1-D "
+                                                 f"tensor of {n} elements"):
                 view(flat, bucket)
+    master = torch.arange(float(n), dtype=torch.float64)  # another dtype: a master copy's
+    assert fzero.flat.alias_leaves(master, bucket)[1].dtype == torch.float64
