@@ -640,7 +640,10 @@ def cosine_schedule(
     then ``min_lr + (peak_lr - min_lr) * (1 + cos(pi * t)) / 2`` with
     ``t = (step - warmup_steps) / (total_steps - warmup_steps)``; ``min_lr`` from
     ``total_steps`` on, after the warmup (``warmup_steps == total_steps``: ``peak_lr`` at
-    that step, ``min_lr`` after it).
+    that step, ``min_lr`` after it). Step k here has the rate Hugging Face's
+    ``get_cosine_schedule_with_warmup`` (a ``LambdaLR``) gives its step k + 1: that one starts
+    at 0 and reaches ``min_lr`` one step later; this one's first update already moves and its
+    step ``total_steps`` runs at ``min_lr`` (no move at the default 0).
 
     Args:
         peak_lr: learning rate at the end of warmup, >= 0.

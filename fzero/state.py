@@ -200,6 +200,11 @@ class ShardState:
     makes every parameter its master's cast (`lost_writes` relies on both)."""
     lease: Lease = field(default_factory=Lease, compare=False, repr=False)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardState:
+        """`clone_state`: a copy with tensors of its own, on the same comm (a deep copy walked
+        into the comm: a lock or a process group that does not copy, or a second comm)."""
+        return clone_state(self)
+
     @property
     def trainable(self) -> tuple[int, ...]:
         """Indices of the trainable buckets."""
@@ -453,32 +458,86 @@ def clone_state(state: ShardState) -> ShardState:
 
 
 def _flatten_state(state: ShardState) -> tuple[list[Any], Any]:
+    """The state's tensors as pytree children, each memory once: a master copy that is the
+    parameters themselves (stages 0 and 3) or their shard's view (stages 1-2) is left out and
+    rebuilt from them (a ``tree_map`` of an in-place update, an EMA's ``lerp_``, applied it
+    twice to such a bucket, silently: a probe). The step count, loss scale and other scalars
+    are the context's values, not its structure, so states at different steps map together."""
     # torch's pytree treats None as a leaf: frozen buckets' absent tensors go in the context.
     present = tuple(g is not None for g in state.grads)
+    aliased = tuple(_master_alias(state, index) for index in range(len(state.params)))
     children = [
         state.params,
         _present(state.grads),
-        _present(state.master),
+        _present(tuple(None if how else m for m, how in zip(state.master, aliased,
+                                                             strict=True))),
         {name: _present(values) for name, values in state.moments.items()},
         state.buffers,
     ]
-    context = (state.layout, state.stage, state.step, state.config, state.loss_scale,
-               state.bucket_order, state.param_steps, state.skipped, state.uncast, present,
+    scalars = _Scalars(state.step, state.loss_scale, state.bucket_order, state.param_steps,
+                       state.skipped, state.uncast)
+    context = (state.layout, state.stage, state.config, present, aliased, scalars,
                _Origin(state.lease, _updated(state.params, state.master, state.moments)))
     return children, context
 
 
 def _unflatten_state(children: Any, context: Any) -> ShardState:
     params, grads, master, moments, buffers = children
-    (layout, stage, step, config, loss_scale, bucket_order, param_steps, skipped, uncast,
-     present, origin) = context
-    master, moments = _absent(master, present), {
-        name: _absent(values, present) for name, values in moments.items()}
+    layout, stage, config, present, aliased, scalars, origin = context
+    own = iter(master)
+    master = tuple(
+        None if not is_present
+        else params[index] if how == _SAME
+        else shard_view(params[index], layout.buckets[index], config.comm.rank) if how
+        else next(own)
+        for index, (is_present, how) in enumerate(zip(present, aliased, strict=True)))
+    moments = {name: _absent(values, present) for name, values in moments.items()}
     return ShardState(
-        layout, stage, step, tuple(params), _absent(grads, present), master, moments,
-        dict(buffers), config, loss_scale, bucket_order, param_steps, skipped, uncast,
+        layout, stage, scalars.step, tuple(params), _absent(grads, present), master, moments,
+        dict(buffers), config, scalars.loss_scale, scalars.bucket_order, scalars.param_steps,
+        scalars.skipped, scalars.uncast,
         lease=origin.lease_for(_updated(params, master, moments)),
     )
+
+
+_SAME, _SHARD = "params", "shard of params"
+
+
+def _master_alias(state: ShardState, index: int) -> str | None:
+    """How bucket `index`'s master copy aliases its parameters: `_SAME` (it is them),
+    `_SHARD` (this rank's shard view of them), or None (a tensor of its own, or none)."""
+    master, params = state.master[index], state.params[index]
+    if master is None:
+        return None
+    if master is params:
+        return _SAME
+    lo, hi = state.layout.buckets[index].shard_range(state.rank)
+    if (master.dtype == params.dtype and master.device == params.device
+            and master.is_contiguous() and master.numel() == hi - lo and params.dim() == 1
+            and master.numel() and master.data_ptr() == params.data_ptr()
+            + lo * params.element_size()):
+        return _SHARD
+    return None
+
+
+@dataclass(frozen=True)
+class _Scalars:
+    """A state's values that are not tensors nor structure (in its pytree context): equal to
+    any other, so that ``tree_map(f, ema, state)`` maps states at different steps, taking the
+    first's."""
+
+    step: int
+    loss_scale: Any
+    bucket_order: Any
+    param_steps: tuple[int, ...] | None
+    skipped: int
+    uncast: tuple[tuple[int, int], ...]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Scalars)
+
+    def __hash__(self) -> int:
+        return 0
 
 
 def _updated(params: Sequence[Tensor], master: Sequence[Tensor | None],

@@ -1705,10 +1705,15 @@ def _check_module_writes(model: nn.Module, state: ShardState) -> None:
             f"state was built (model.load_state_dict(...), a copy_ under no_grad, a write "
             f"through .data) and now hold other values than the state's. A step trains the "
             f"state's tensors and never reads the module's values again, so these would be "
-            f"silently ignored. To train from "
-            f"them, build the state again from the module (fzero.init) or load them into it "
-            f"(fzero.init(..., load=), a checkpoint); to read the state's values, use "
-            f"fzero.full_params(state).{converted_here}"
+            f"silently ignored. If you meant to train from them, build the state again "
+            f"from the module (fzero.init) or load them into it (fzero.init(..., load=), a "
+            f"checkpoint). If they are another state's values (an EMA or snapshot evaluated "
+            f"in plain torch, a second seed initialized in place), keep this state's module "
+            f"apart: give that state or evaluation a module of its own "
+            f"(copy.deepcopy(model)), or copy this state's values back into the module "
+            f"(load_state_dict(fzero.full_params(state)), which is accepted) before its "
+            f"next step. To read the state's values, use fzero.full_params(state)."
+            f"{converted_here}"
         )
     versions.accept(written)
     versions.verified()

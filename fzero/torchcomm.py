@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch import Tensor
 
 from fzero.comm import CommBase, Work
@@ -219,6 +220,9 @@ class TorchComm(CommBase):
         atexit.unregister(gc.collect)  # once per process, however many comms it makes
         atexit.register(gc.collect)
         self.group = group
+        # The process group itself, also for the default one: a later `init_process_group`
+        # (a second `with fzero.distributed()` block) makes a new default group.
+        self._process_group = group if group is not None else c10d._get_default_group()
         self.backend = str(dist.get_backend(group))
         if self.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -280,7 +284,7 @@ class TorchComm(CommBase):
                          shm_min_bytes=self.shm_min_bytes)
 
     def _check_open(self, kind: str) -> None:
-        if not dist.is_initialized():
+        if not dist.is_initialized() or self._process_group not in c10d._world.pg_map:
             raise ValueError(
                 f"{kind} on a TorchComm whose process group was destroyed (the `with "
                 f"fzero.distributed() as comm:` block ended, or destroy_distributed() ran): "

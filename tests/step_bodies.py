@@ -521,3 +521,23 @@ def flat_buffers_alive_after_steps(comm: Comm, stage: int, steps: int) -> tuple[
     finally:
         gc.enable()
         fzero.buckets.reduce_scatter_bucket = real
+
+
+def ema_body(comm: Comm, model: nn.Module, batches: Sequence[Any], *, stage: int,
+             param_dtype: torch.dtype | None) -> dict[str, Any]:
+    """An EMA kept as a `clone_state` copy, updated after every step by an in-place ``lerp_``
+    of each of its pytree leaves towards the trained state's (at another step count), and
+    the same average computed from `full_params` alone."""
+    import torch.utils._pytree as pytree
+
+    state = fzero.init(model, stage=stage, optimizer=make_optimizer(("adamw", ADAMW)),
+                       comm=comm, param_dtype=param_dtype)
+    ema = fzero.clone_state(state)
+    want = {name: value.clone() for name, value in fzero.full_params(ema).items()}
+    step = fzero.make_train_step(model, type(model).loss_fn)
+    for batch in batches:
+        state, _ = step(state, split_batch(batch, comm.rank, comm.world_size))
+        pytree.tree_map(lambda e, s: e.lerp_(s, 0.25), ema, state)
+        for name, value in fzero.full_params(state).items():
+            want[name].lerp_(value, 0.25)
+    return {"ema": fzero.full_params(ema), "want": want, "steps": (ema.step, state.step)}

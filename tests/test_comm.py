@@ -789,6 +789,11 @@ def test_init_distributed_single_process_fallback(bare_env: pytest.MonkeyPatch) 
     with pytest.raises(ValueError, match="all_reduce on a TorchComm whose process group was "
                                          "destroyed .* use the comm inside the block"):
         comm.all_reduce(torch.zeros(2))
+    # ... and inside a later block, whose new group is not its (torch's "Group ... is not
+    # registered" or a gloo connection error, which rank got which by chance: a probe)
+    with distributed(backend="gloo", timeout=timedelta(seconds=30)), pytest.raises(
+            ValueError, match="all_reduce on a TorchComm whose process group was destroyed"):
+        comm.all_reduce(torch.zeros(2))
 
 
 def test_channels_time_out_as_the_group_does(bare_env: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import fzero
+from fzero.layout import first_overlap
 from fzero.state import LossScale, ShardState, state_bytes, state_bytes_theory
 
 import step_bodies as sb
@@ -122,16 +123,29 @@ def test_state_is_a_frozen_dataclass(states: dict[tuple[str, int], ShardState]) 
 def test_pytree_leaves_are_the_state_tensors(
     states: dict[tuple[str, int], ShardState], name: str, stage: int
 ) -> None:
+    """The leaves are the state's tensors, each memory once: a master copy that is the
+    parameters (stages 0 and 3) or a view of their shard (stages 1-2) is rebuilt from them, so
+    an in-place update of every leaf (an EMA's ``lerp_``) updates it once (it was a leaf of its
+    own, updated twice: a probe)."""
     state = states[name, stage]
     leaves, spec = pytree.tree_flatten(state)
     assert all(isinstance(leaf, Tensor) for leaf in leaves)
-    assert sorted(map(id, leaves)) == sorted(map(id, state_tensors(state)))
+    assert len({id(leaf) for leaf in leaves}) == len(leaves)
+    assert first_overlap((str(i), leaf) for i, leaf in enumerate(leaves)) is None
+    held = {leaf.untyped_storage().data_ptr() for leaf in leaves}
+    assert all(t.untyped_storage().data_ptr() in held for t in state_tensors(state))
     back = pytree.tree_unflatten(leaves, spec)
     assert isinstance(back, ShardState)
     assert (back.layout, back.stage, back.step, back.config) == (
         state.layout, state.stage, state.step, state.config,
     )
-    assert all(a is b for a, b in zip(state_tensors(back), state_tensors(state), strict=True))
+    for field in ("params", "grads"):
+        assert all(a is b for a, b in zip(getattr(back, field), getattr(state, field),
+                                          strict=True))
+    for a, b in zip(back.master, state.master, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -357,3 +371,39 @@ def test_init_with_different_models_raises_on_every_gloo_rank(gloo_pool: Any) ->
     # The group is still usable afterwards: the same pool initializes matching models.
     states = gloo_pool(2).run(sb.init_bytes_body, MLP(), stage=3)
     assert states[0]["measured"] == states[1]["measured"] > 0
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_ema_updated_leaf_by_leaf_is_the_average(stage: int) -> None:
+    """``tree_map(lambda e, s: e.lerp_(s, a), ema, state)``: each memory is one leaf, so the
+    parameters move by the average's step once (a master copy that is them, or a view of
+    them, was a leaf too and moved them twice: 5.6e-3 off after 3 steps, a probe), also
+    between states at different step counts (torch's "Node context mismatch" before)."""
+    batches = [MLP.make_batch(s, 4) for s in range(3)]
+    for out in run(2, sb.ema_body, MLP(), batches, stage=stage, param_dtype=None):
+        assert out["steps"] == (0, 3)
+        for name, value in out["want"].items():
+            torch.testing.assert_close(out["ema"][name], value, rtol=0, atol=0)
+
+
+def _deep_copies(comm: Any, model: nn.Module) -> Any:
+    import copy
+
+    state = fzero.init(model, stage=3, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+    copied = copy.deepcopy(state)
+    step = fzero.make_train_step(model, type(model).loss_fn)
+    copied, _ = step(copied, MLP.make_batch(comm.rank, 2))
+    return (copied.config is state.config, fzero.full_params(state),
+            fzero.full_params(copied), state.step, copied.step)
+
+
+def test_deepcopy_of_a_state_is_clone_state() -> None:
+    """``copy.deepcopy(state)`` walked into the comm: "cannot pickle '_thread.RLock'" in
+    SimWorld, a process group over gloo, and a silently copied comm with one process (a
+    probe). It is `clone_state` now: tensors of its own, the same comm."""
+    model = MLP()
+    for same_config, before, after, step, copied_step in run(2, _deep_copies, model):
+        assert same_config and (step, copied_step) == (0, 1)
+        assert any(not torch.equal(after[n], v) for n, v in before.items())
+        for name, value in dict(model.named_parameters()).items():
+            torch.testing.assert_close(before[name], value.detach(), rtol=0, atol=0)
