@@ -456,7 +456,10 @@ class CommBase:
             raise ValueError(f"a channel needs a non-empty str name, got {name!r}")
         key = f"{name}@host" if host else name
         if key not in self._channels:
-            channel = self._open_channel(key, host)
+            opened: list[Comm] = []  # (a collective: a rank that never comes times it out)
+            self._named("new_group", f"opening channel {key!r}",
+                        lambda: opened.append(self._open_channel(key, host)))
+            channel = opened[0]
             if isinstance(channel, CommBase):
                 channel.name = key
                 channel._scope = self._scope

@@ -57,7 +57,7 @@ from fzero.bound import (
 )
 from fzero.buckets import Completion, Reducer
 from fzero.collect import Pending, SideStreams, Streams, all_gather_bucket
-from fzero.comm import Comm
+from fzero.comm import Comm, fingerprint_check
 from fzero.consensus import (
     Header,
     HeaderRound,
@@ -497,13 +497,23 @@ def full_params(state: ShardState, *, master: bool = False) -> dict[str, Tensor]
         the buffers, replicated on every rank, are ``state.buffers`` (by their
         ``named_buffers()`` names, non-persistent ones included: a ``state_dict`` has only the
         persistent ones).
+
+    Raises:
+        ValueError: on every rank (stages 1-3), when the ranks' calls differ: a state of
+            another layout, stage or step (a clone on one rank), another `master`, or a
+            consumed state on some rank (which raises its own error). Each rank gathers its
+            part into the others' buffers, so such calls mixed values silently, or aborted a
+            gloo process on a size mismatch (a probe).
     """
-    check_live(state, "full_params")
+    if not isinstance(state, ShardState) or state.stage == 0:
+        check_live(state, "full_params")  # (stage 0: nothing to gather, nothing to agree)
+    else:
+        _agree_on_full_params(state, master)
     comm = state.config.comm
     flats: list[Tensor | None] = []
     pending = []
     for index, bucket in enumerate(state.layout.buckets):
-        source = state.master[index] if master and state.master[index] is not None else None
+        source = _full_params_source(state, index, master)
         params = state.params[index]
         if source is None and state.stage < 3:
             flats.append(params.detach().clone())
@@ -520,6 +530,40 @@ def full_params(state: ShardState, *, master: bool = False) -> dict[str, Tensor]
         layout = dataclasses.replace(layout, buckets=tuple(
             bucket.cast(flat.dtype) for bucket, flat in zip(layout.buckets, flats, strict=True)))
     return unflatten(flats, layout)
+
+
+def _full_params_source(state: ShardState, index: int, master: bool) -> Tensor | None:
+    """Bucket `index`'s master copy when `full_params` returns it, else None (parameters)."""
+    return state.master[index] if master and state.master[index] is not None else None
+
+
+def _agree_on_full_params(state: ShardState, master: bool) -> None:
+    """Raise on every rank unless every rank's `full_params` call gathers alike (one round);
+    a rank whose state is consumed raises its own error, the others name it."""
+    try:
+        check_live(state, "full_params")
+        own = None
+    except ValueError as error:
+        own = error
+    call = {
+        "the state (layout, stage, step)": repr(
+            (state.layout.fingerprint, state.stage, state.step)),
+        "master=": repr(master),
+        "the dtypes gathered": repr([
+            str((source if source is not None else state.params[i]).dtype)
+            for i, source in enumerate(
+                _full_params_source(state, i, master) for i in range(len(state.params)))]),
+        "a live state": "yes" if own is None else f"no: {own}",
+    }
+    try:
+        fingerprint_check(state.config.comm, repr(tuple(call.values())), "full_params call",
+                          parts=call)
+    except ValueError as error:
+        if own is not None:
+            raise own from None
+        raise ValueError(f"{error}; every rank must call full_params alike") from None
+    if own is not None:  # (every rank's state is consumed alike)
+        raise own
 
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
@@ -1240,13 +1284,17 @@ class _ShardedSession:
 
         try:  # (copied inside forward: a parameter whose bucket was released gathers again)
             out = self._forward(copying, model, batch)
+        except PeerFailed:  # a gather round showed another rank failed (before any sequence)
+            self._end_phase(ABORTED)
+            out = None
         except Exception:
             self._end_phase(FAILED)
             raise
-        self._end_phase(DONE)
+        else:
+            self._end_phase(DONE)
         if self.aborted:
             raise StepError("another rank failed in this eval step (its own error says why)",
-                            step=self.state.step, ranks=[])
+                            step=self.state.step, ranks=sorted(self.residency.failed))
         return out
 
     def finish(self) -> list[Tensor]:

@@ -96,6 +96,12 @@ class Ctx:
         fzero.save(self.state, self.path(name))
         return self.path(name)
 
+    def save_two(self) -> None:
+        """Two checkpoints of one model: ``c`` (step 0) and ``d`` (one step later)."""
+        self.save("c")
+        stepped, _ = self.step()(fzero.clone_state(self.state), self.batch)
+        fzero.save(stepped, self.path("d"))
+
     def consume(self) -> None:
         """Take one step and keep the *consumed* input state as ``ctx.state``."""
         old = self.state
@@ -575,6 +581,19 @@ CASES = [
          "full_params: this state was consumed by train step 1", stage=2, setup=Ctx.consume),
     Case("full_params: not a state", lambda c: fzero.full_params(c.params), TE,
          "full_params needs a ShardState"),
+    # (each rank's part went into the others' buffers: a silent mix, or a gloo abort; a probe)
+    Case("full_params: master on one rank",
+         lambda c: fzero.full_params(c.state, master=per_rank(c, True, False)), VE,
+         r"full_params call differs across ranks.*they differ in: master=", stage=3),
+    Case("full_params: a state of another step on one rank",
+         lambda c: fzero.full_params(per_rank(c, c.new_state, c.state)), VE,
+         r"full_params call differs across ranks.*the state \(layout, stage, step\)", stage=1,
+         setup=lambda c: setattr(c, "new_state", c.step()(fzero.clone_state(c.state),
+                                                            c.batch)[0])),
+    Case("full_params: a consumed state on one rank",
+         lambda c: fzero.full_params(per_rank(c, c.state, c.new_state)), VE,
+         "full_params: this state was consumed by train step 1", stage=2, setup=Ctx.consume,
+         bad_rank=1, others=(VE, r"full_params call differs .*a live state")),
     Case("clone_state: a consumed state", lambda c: fzero.clone_state(c.state), VE,
          "clone_state: this state was consumed", stage=3, setup=Ctx.consume),
     Case("clone_state: not a state", lambda c: fzero.clone_state(c.model), TE,
@@ -599,6 +618,14 @@ CASES = [
     Case("save: a consumed state", lambda c: fzero.save(c.state, c.path("s")), VE,
          "consumed by train step 1", stage=3, setup=Ctx.consume),
     Case("load: no checkpoint there", lambda c: load(c), CE, "no checkpoint at .*c: no such"),
+    # (mixed into one state silently at stage 3: a probe)
+    Case("load: ranks given different checkpoints",
+         lambda c: fzero.load(per_rank(c, c.path("d"), c.path("c")), model=MLP(), comm=c.comm),
+         CE, r"load call differs across ranks.*the checkpoint \(its save id, step and world",
+         stage=3, setup=Ctx.save_two),
+    Case("load: ranks given different stages", lambda c: load(c, stage=per_rank(c, 2, 3)), CE,
+         r"load call differs across ranks.*they differ in: stage, dtypes", stage=1,
+         setup=Ctx.save),
     Case("load: stage 5", lambda c: load(c, stage=5), VE, "stage must be one of", stage=1,
          setup=Ctx.save),
     Case("load: another model", lambda c: load(c, model=FrozenMix()), CE,

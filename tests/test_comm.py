@@ -1016,3 +1016,25 @@ def test_signature_equals_the_uncached_hash_also_past_the_cache(monkeypatch) -> 
     [(signature, kept)] = SimWorld(1).run(body)
     assert signature == _reference_signature(codes)
     assert kept <= 3
+
+
+def _open_a_channel_that_times_out(comm: Comm) -> Any:
+    def late(key: str, host: bool) -> Comm:
+        raise RuntimeError("Wait timeout")  # torch's store barrier in new_group
+
+    comm._open_channel = late  # type: ignore[method-assign]
+    with comm.scope("train step 1"):
+        try:
+            comm.channel("control", host=True)
+        except fcomm.CollectiveTimeout as error:
+            return str(error)
+    return None
+
+
+def test_opening_a_channel_that_times_out_raises_collective_timeout() -> None:
+    """A rank late to the first step: opening fzero's channel (a new process group) timed out
+    with torch's bare ``RuntimeError: Wait timeout``, naming no collective or step (a probe).
+    It is a `CollectiveTimeout` naming the channel and the step."""
+    for message in SimWorld(2).run(_open_a_channel_that_times_out):
+        assert message is not None and "opening channel 'control@host' during train step 1" in (
+            message) and "Wait timeout" in message

@@ -251,3 +251,33 @@ def test_a_step_interrupted_in_backward_leaves_no_gradient_behind(stage: int) ->
         opt.step()
     for name, param in want.named_parameters():
         torch.testing.assert_close(ours[name], param.detach(), rtol=0, atol=gb.F64_ATOL)
+
+
+def _eval_failing_on_rank_1_at_once(comm: Any, model: torch.nn.Module) -> Any:
+    """A stage-3 eval step right after init (no sequence agreed yet, one bucket per module)
+    whose forward raises on rank 1 in its middle module, while rank 0 goes on to gather the
+    last one."""
+    buckets = [[f"{m}.weight", f"{m}.bias"] for m in ("fc1", "norm", "fc2")]
+    state = fzero.init(model, stage=3, comm=comm, optimizer=fzero.optim.sgd(lr=0.1),
+                       buckets=buckets)
+
+    def fail_on_rank_1(module: Any, args: Any) -> None:
+        if comm.rank == 1:
+            raise ValueError("eval fn failed on rank 1")
+
+    model.norm.register_forward_pre_hook(fail_on_rank_1)
+    try:
+        fzero.make_eval_step(model, gb.mse_loss)(state, gb.mse_batches(1, rows=2)[0])
+        raised = None
+    except Exception as exc:  # noqa: BLE001 - the type is what is checked
+        raised = exc
+    return type(raised).__name__, str(raised)
+
+
+def test_a_stage3_eval_step_failing_on_one_rank_before_any_sequence_raises_step_error() -> None:
+    """Before a train step agreed a gather sequence, stage 3 gathers in rounds, and a round
+    that showed a failed peer raised fzero's internal `PeerFailed` on the healthy ranks (a
+    probe); they raise `StepError` naming the rank, as once a sequence is agreed."""
+    healthy, failed = fzero.SimWorld(2).run(_eval_failing_on_rank_1_at_once, gb.MLP64())
+    assert failed == ("ValueError", "eval fn failed on rank 1")
+    assert healthy[0] == "StepError" and "another rank failed in this eval step" in healthy[1]

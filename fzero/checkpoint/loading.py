@@ -101,7 +101,9 @@ def load(
             checkpoint, a newer format version, a missing, truncated or corrupt shard file, a
             checkpoint of another model (parameter names or shapes differ: listed), no
             optimizer state without `weights_only`, or an optimizer whose moments differ.
-        ValueError: bad `stage`, or ranks disagree on the layout.
+        CheckpointError: ranks that disagree on the checkpoint (another save), the layout
+            (the model, `buckets=`, `trainable=`), the stage or the dtypes; every rank raises.
+        ValueError: bad `stage`.
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"load: path must be a str or os.PathLike, got {type(path).__name__}")
@@ -132,8 +134,18 @@ def load(
     check_optimizer_dtype(optimizer, master_dtype)
     aliases = _buffer_aliases(manifest, model)
     buffer_names = _check_buffers(path, manifest, model, aliases)
-    fingerprint_check(comm, layout.fingerprint, "layout fingerprint",
-                      parts=layout.parts())
+    # One checkpoint, read alike: ranks given different ones (another run's save at the same
+    # step) mixed them into one state silently, a probe found (a path may differ: mounts).
+    call = {**layout.parts(),
+            "the checkpoint (its save id, step and world size)": repr(
+                (manifest.save_id, saved["step"], manifest.world_size)),
+            "stage, dtypes (param, master, reduce), weights_only": repr(
+                (stage, param_dtype, master_dtype, reduce_dtype, weights_only))}
+    try:
+        fingerprint_check(comm, repr((layout.fingerprint, *list(call.values())[-2:])),
+                          "load call", parts=call)
+    except ValueError as error:
+        raise CheckpointError(f"load {path}: {error}; nothing was loaded") from None
     verify(path, manifest, comm, checksums=verify_checksums, pin=pin)
 
     # Each rank's own buffers (they differ under buffers="local"); at another N, rank 0's.
