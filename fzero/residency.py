@@ -46,6 +46,7 @@ hooks that launch reductions) run `unguarded`: they read parameters knowingly.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -233,7 +234,11 @@ class Residency:
         self.inflight: dict[int, list[Pending]] = {}
         self.by_pointer: dict[int, int] = {}
         self.active = [0] * len(layout.buckets)
-        self.pinned = [0] * len(layout.buckets)
+        # Per bucket, its recomputation pins by holder: the module whose recomputed forward
+        # used it (released when that module's backward is done), or None (a read outside
+        # the module hooks, released with the phase or a complete gradient).
+        self.pinned: list[collections.Counter[nn.Module | None]] = [
+            collections.Counter() for _ in layout.buckets]
         self.stack: list[nn.Module] = []
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -297,7 +302,8 @@ class Residency:
             self._wait(index)  # a gather of the rest of the sequence may have rewritten it
         self.carried = carry
         self.active = [0] * len(self.active)
-        self.pinned = [0] * len(self.pinned)
+        for pins in self.pinned:
+            pins.clear()
         self.stack.clear()
         self.order = (
             BucketOrder(sequence, self.order.backward) if self.phase == "forward"
@@ -440,10 +446,12 @@ class Residency:
 
     # -- uses --
 
-    def need(self, index: int, *, evict: bool, pin: bool = False) -> None:
-        """Make bucket `index` resident for a use by this rank's computation."""
+    def need(self, index: int, *, evict: bool, pin: bool = False,
+             holder: nn.Module | None = None) -> None:
+        """Make bucket `index` resident for a use by this rank's computation; `pin`: keep it so
+        for `holder` (a recomputation's use, see `pinned`)."""
         if pin:
-            self.pinned[index] += 1
+            self.pinned[index][holder] += 1
         self.current = index
         if index in self.fresh:  # a position's gather (prefetched or in flight): consume it
             self.fresh.discard(index)
@@ -520,10 +528,10 @@ class Residency:
             for index in needs:
                 self.active[index] += 1
             for index in needs:
-                self.need(index, evict=not recompute, pin=recompute)
+                self.need(index, evict=not recompute, pin=recompute, holder=module)
             frozen = [i for i in needs if i in self.frozen]
             if frozen and torch.is_grad_enabled():
-                self._unpin_after_backward(frozen, args, kwargs, pinned=recompute)
+                self._unpin_after_backward(module, frozen, args, kwargs)
 
         def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if self.stack and self.stack[-1] is module:
@@ -544,15 +552,17 @@ class Residency:
             for handle in handles:
                 handle.remove()
 
-    def _unpin_after_backward(self, buckets: list[int], args: Any, kwargs: Any, *,
-                              pinned: bool) -> None:
-        """Once backward has computed the gradients of a module's inputs, the module is done
-        with its frozen `buckets` (they get no gradient of their own to mark it): undo this
-        use's pin (`pinned`: a recomputation's use, which pinned each once) and release what
-        nothing else holds. Only this use's pin: other modules sharing a frozen bucket may
-        still read it (resetting the count released a bucket whose recomputed saved tensors
-        a later node read: a crash, a probe found, with Hugging Face's checkpointing of a
-        block partly frozen)."""
+    def _unpin_after_backward(self, module: nn.Module, buckets: list[int], args: Any,
+                              kwargs: Any) -> None:
+        """Once backward has computed the gradients of `module`'s inputs, the module is done
+        with its frozen `buckets` (they get no gradient of their own to mark it): drop one of
+        its recomputation pins on each and release what nothing else holds. Registered on a
+        forward's inputs: with non-reentrant checkpointing it fires for the original forward's
+        use (the recomputed graph is not differentiated), with reentrant checkpointing for the
+        recomputation's. Only `module`'s pins: other modules sharing a frozen bucket may still
+        read it (clearing the bucket's pins released one whose recomputed saved tensors a
+        later node read: a crash, a probe found, with Hugging Face's checkpointing of a block
+        partly frozen)."""
         inputs = [
             x for x in (*args, *kwargs.values())
             if isinstance(x, Tensor) and x.requires_grad
@@ -561,9 +571,12 @@ class Residency:
             return
 
         def done(_: Any) -> None:
-            if pinned:
-                for index in buckets:
-                    self.pinned[index] = max(0, self.pinned[index] - 1)
+            for index in buckets:
+                pins = self.pinned[index]
+                if pins[module] > 0:
+                    pins[module] -= 1
+                    if not pins[module]:
+                        del pins[module]
             if self.phase == "backward":
                 self._evict({*([self.current] if self.current is not None else []),
                              *self._ahead()})
@@ -596,7 +609,7 @@ class Residency:
     def on_grads_complete(self, index: int) -> None:
         """Between autograd nodes: a bucket's gradient is complete; unpin it and release all
         but the bucket backward works on, the positions ahead and pinned buckets."""
-        self.pinned[index] = 0
+        self.pinned[index].clear()
         if self.phase == "backward":
             keep = self._ahead()
             if self.current is not None and self.current != index:
@@ -616,7 +629,8 @@ class Residency:
         (a use like any other: of a bucket not gathered yet, in flight, or kept for this phase's
         first position and not used since)."""
         if index not in self.resident or index in self.inflight or index in self.fresh:
-            self.need(index, evict=False, pin=self.recomputing)
+            self.need(index, evict=False, pin=self.recomputing,
+                      holder=self.stack[-1] if self.stack else None)
 
     def settle(self, tensor: Tensor) -> None:
         """Wait for the gather in flight into the memory `tensor` views, if any. A view of a
