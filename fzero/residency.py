@@ -755,6 +755,8 @@ class _Guard(TorchFunctionMode):
         try:
             if func is torch.autograd.grad:
                 return _grad_under_guard(self, args, kwargs)
+            if func is torch.autograd.backward and residency.phase == "backward":
+                return _backward_under_guard(self, args, kwargs)
             return func(*args, **kwargs)
         except RuntimeError as error:
             if _released_read(error):
@@ -856,6 +858,40 @@ def _grad_under_guard(guard: _Guard, args: Any, kwargs: Mapping[str, Any]) -> An
 
 
 _GRAD_SIGNATURE = inspect.signature(torch.autograd.grad)
+
+
+def _backward_under_guard(guard: _Guard, args: Any, kwargs: Mapping[str, Any]) -> None:
+    """``torch.autograd.backward(*args, **kwargs)`` called during the step's backward (a
+    reentrant checkpoint's backward differentiates its recomputed region so), run with the
+    guard active, as `_grad_under_guard` runs a penalty's: in torch's call the mode is off, so
+    a checkpoint nested in that region recomputed, or a hook read, parameters of released
+    buckets unguarded (a segmentation fault, a probe found). Arguments as torch prepares them
+    (its handler gets them normalized); the deprecated ``grad_variables`` goes to torch."""
+    bound = _BACKWARD_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    if given["grad_variables"] is not None:
+        return torch.autograd.backward(*args, **kwargs)  # (the mode is off here)
+    tensors = _as_tuple(given["tensors"])
+    inputs = given["inputs"]
+    inputs = () if inputs is None else (
+        tuple(inputs.values()) if type(inputs) is dict else _as_tuple(inputs))
+    if given["inputs"] is not None and not inputs:
+        return torch.autograd.backward(*args, **kwargs)  # torch's own error
+    grads = torch.autograd._make_grads(
+        tensors, torch.autograd._tensor_or_tensors_to_tuple(given["grad_tensors"],
+                                                            len(tensors)),
+        is_grads_batched=False)
+    create_graph = given["create_graph"]
+    retain_graph = create_graph if given["retain_graph"] is None else given["retain_graph"]
+    with guard:
+        torch.autograd.graph._engine_run_backward(
+            tensors, grads, retain_graph, create_graph, inputs, allow_unreachable=True,
+            accumulate_grad=True)
+    return None
+
+
+_BACKWARD_SIGNATURE = inspect.signature(torch.autograd.backward)
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
