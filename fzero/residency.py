@@ -239,6 +239,11 @@ class Residency:
         # the module hooks, released with the phase or a complete gradient).
         self.pinned: list[collections.Counter[nn.Module | None]] = [
             collections.Counter() for _ in layout.buckets]
+        # Modules whose forward use inside a checkpointed region has a backward still to run
+        # (`_unpin_after_backward`): a complete gradient keeps their pins (see
+        # `on_grads_complete`). Forward's hooks fire in backward: cleared when a step starts.
+        self.awaiting: collections.Counter[nn.Module] = collections.Counter()
+        self._pack_hook, self._unpack_hook = unguarded(self.pack), unguarded(self.unpack)
         self.stack: list[nn.Module] = []
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -261,6 +266,8 @@ class Residency:
         issuing the first `prefetch` positions now (the first ones are already there when the
         previous phase carried them: see `end_phase`)."""
         assert phase in ("forward", "backward"), phase
+        if phase == "forward":
+            self.awaiting.clear()  # (an earlier micro-batch's: fired, or their graph is gone)
         self.phase = phase
         self.sequence = self.order.forward if phase == "forward" else self.order.backward
         self.issued = 0  # positions of the sequence issued so far
@@ -529,8 +536,12 @@ class Residency:
                 self.active[index] += 1
             for index in needs:
                 self.need(index, evict=not recompute, pin=recompute, holder=module)
+            if not torch.is_grad_enabled():
+                return
             frozen = [i for i in needs if i in self.frozen]
-            if frozen and torch.is_grad_enabled():
+            if not recompute and self._checkpointed():  # its recomputation will pin them all
+                self._unpin_after_backward(module, needs, args, kwargs, counted=True)
+            elif frozen:
                 self._unpin_after_backward(module, frozen, args, kwargs)
 
         def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -552,8 +563,14 @@ class Residency:
             for handle in handles:
                 handle.remove()
 
+    def _checkpointed(self) -> bool:
+        """Whether forward runs under saved-tensor hooks other than stage 3's own: inside a
+        non-reentrant checkpointed region (whose recomputation in backward pins buckets)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and top[0] is not self._pack_hook
+
     def _unpin_after_backward(self, module: nn.Module, buckets: list[int], args: Any,
-                              kwargs: Any) -> None:
+                              kwargs: Any, *, counted: bool = False) -> None:
         """Once backward has computed the gradients of `module`'s inputs, the module is done
         with its frozen `buckets` (they get no gradient of their own to mark it): drop one of
         its recomputation pins on each and release what nothing else holds. Registered on a
@@ -562,15 +579,22 @@ class Residency:
         recomputation's. Only `module`'s pins: other modules sharing a frozen bucket may still
         read it (clearing the bucket's pins released one whose recomputed saved tensors a
         later node read: a crash, a probe found, with Hugging Face's checkpointing of a block
-        partly frozen)."""
+        partly frozen). `counted`: a forward use in a checkpointed region, for all the
+        module's buckets, which a complete gradient does not unpin until it fires (a stop-
+        gradient ``self.w.detach()`` there is recomputed as an alias that an earlier node reads
+        after ``w``'s gradient completes through its other use: a crash, a probe found)."""
         inputs = [
             x for x in (*args, *kwargs.values())
             if isinstance(x, Tensor) and x.requires_grad
         ]
         if not inputs:
             return
+        if counted:
+            self.awaiting[module] += 1
 
         def done(_: Any) -> None:
+            if counted and self.awaiting[module] > 0:
+                self.awaiting[module] -= 1
             for index in buckets:
                 pins = self.pinned[index]
                 if pins[module] > 0:
@@ -587,8 +611,7 @@ class Residency:
 
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context that saves parameters for backward as references (`pack`, `unpack`)."""
-        return torch.autograd.graph.saved_tensors_hooks(unguarded(self.pack),
-                                                        unguarded(self.unpack))
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
 
     def pack(self, tensor: Tensor) -> Any:
         """Saved-tensor pack hook: parameters of a bucket are saved as a reference."""
@@ -608,8 +631,12 @@ class Residency:
 
     def on_grads_complete(self, index: int) -> None:
         """Between autograd nodes: a bucket's gradient is complete; unpin it and release all
-        but the bucket backward works on, the positions ahead and pinned buckets."""
-        self.pinned[index].clear()
+        but the bucket backward works on, the positions ahead and pinned buckets. Pins of
+        modules whose backward is still to run (`awaiting`) stay: their recomputed tensors may
+        alias the bucket without feeding its gradient."""
+        pins = self.pinned[index]
+        for holder in [h for h in pins if h is None or not self.awaiting[h]]:
+            del pins[holder]
         if self.phase == "backward":
             keep = self._ahead()
             if self.current is not None and self.current != index:

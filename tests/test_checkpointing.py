@@ -355,3 +355,46 @@ def test_stage3_checkpoint_nested_in_a_reentrant_region_is_exact(inner_reentrant
                 run()
         else:
             gb.assert_parity(run()[0], gb.reference(model, gb.mse_loss, batches, gb.torch_sgd))
+
+
+class _StopGradient(torch.nn.Module):
+    """Uses a stop-gradient copy of its own weight (``self.scale.detach()``, taken and used in
+    one forward) beside the weight itself: elementwise, or as a matmul operand."""
+
+    def __init__(self, matmul: bool) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.scale = torch.nn.Parameter(torch.randn(4, 4, generator=gen, dtype=torch.float64))
+        self.matmul = matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = x @ self.scale.detach() if self.matmul else x * self.scale.detach()[0]
+        return z * self.scale[0]
+
+
+class _CheckpointedStopGradient(torch.nn.Module):
+    def __init__(self, matmul: bool) -> None:
+        super().__init__()
+        with gb.seeded(4):
+            self.inp, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+        self.block = _StopGradient(matmul)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, self.inp(x),
+                                                           use_reentrant=False))
+
+
+@pytest.mark.parametrize("matmul", [False, True], ids=["elementwise", "matmul"])
+def test_stage3_stop_gradient_copy_in_a_checkpointed_block_is_exact(matmul: bool) -> None:
+    """The recomputed ``scale.detach()`` aliases its bucket; ``scale``'s gradient completes
+    through its other use first, and completion released the bucket under the alias, which an
+    earlier node then read: a segfault or OutsideOwnerError (a probe's fuzzer). A module whose
+    backward is still to run keeps its recomputation pins now."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 4, generator=gen, dtype=torch.float64),
+                torch.randn(4, 2, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    model = _CheckpointedStopGradient(matmul)
+    out = fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, batches, stage=3,
+                                opt=("sgd", gb.SGD), buckets=1)
+    gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, batches, gb.torch_sgd))
