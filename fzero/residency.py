@@ -24,10 +24,15 @@ its own business (releasing needs no collective):
   gathered) are not released when backward starts with them and every rank holds them
   (`end_phase(keep=True)`): backward uses them without gathering them again.
 - Recomputation (activation checkpointing) runs module forwards during backward: their
-  pre-hooks gather and *pin* the buckets, because non-reentrant checkpointing keeps the
-  recomputed tensors without packing them. A pin ends when the bucket's gradient is complete,
-  or, for a frozen bucket, when the gradients of the module's inputs are (a multi-grad hook:
-  the module's backward is over).
+  pre-hooks gather and *pin* the buckets for that module (`pinned`, counted by holder),
+  because non-reentrant checkpointing keeps the recomputed tensors without packing them. A
+  module's pins end when the gradients of its inputs are (a multi-grad hook on its forward's
+  inputs: its backward is over), and, for a trainable bucket, when the bucket's gradient is
+  complete, unless the module used it in a checkpointed region and its backward is still to
+  run (`awaiting`: a recomputed stop-gradient alias may not feed the gradient). Only the
+  holder's own pins end: modules sharing a bucket keep theirs. ``torch.autograd.grad`` and
+  ``torch.autograd.backward`` called inside the guarded phases (a penalty, a reentrant
+  checkpoint's backward) run with the guard on: torch would run them with the mode off.
 
 Any other read of a parameter (a parent reading a child's weight, a layer whose checkpointed
 body reads its own weight during recomputation, as transformers 5's `GradientCheckpointingLayer`
