@@ -550,9 +550,10 @@ def _agree_on_full_params(state: ShardState, master: bool) -> None:
             (state.layout.fingerprint, state.stage, state.step)),
         "master=": repr(master),
         "the dtypes gathered": repr([
-            str((source if source is not None else state.params[i]).dtype)
-            for i, source in enumerate(
-                _full_params_source(state, i, master) for i in range(len(state.params)))]),
+            str((source if source is not None else params).dtype)
+            for source, params in zip(
+                (_full_params_source(state, i, master) for i in range(len(state.params))),
+                state.params, strict=True)]),
         "a live state": "yes" if own is None else f"no: {own}",
     }
     try:
@@ -651,14 +652,14 @@ def micro_weights(batch: Any, micro_batches: Sequence[Any]) -> tuple[float, ...]
                 f"over rows; its target tokens, when over tokens), or micro-batches of equal "
                 f"size")
         return None
-    numbers = [_real(w) for w in weights]
-    if len(numbers) != len(micro_batches) or not all(
-            w is not None and math.isfinite(w) and w > 0 for w in numbers):
+    values = [_real(w) for w in weights]
+    if len(values) != len(micro_batches) or not all(
+            w is not None and math.isfinite(w) and w > 0 for w in values):
         raise ValueError(
             f"MicroBatches(weights=...) needs one positive finite number per micro-batch "
             f"({len(micro_batches)}); got {list(weights)[:8]}")
-    total = math.fsum(numbers)
-    return tuple(w / total for w in numbers)
+    total = math.fsum(values)
+    return tuple(w / total for w in values)
 
 
 def _real(value: Any) -> float | None:
