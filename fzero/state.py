@@ -488,7 +488,7 @@ def _unflatten_state(children: Any, context: Any) -> ShardState:
     master = tuple(
         None if not is_present
         else params[index] if how == _SAME
-        else shard_view(params[index], layout.buckets[index], config.comm.rank) if how
+        else _shard_of(params[index], layout.buckets[index], config.comm.rank) if how
         else next(own)
         for index, (is_present, how) in enumerate(zip(present, aliased, strict=True)))
     moments = {name: _absent(values, present) for name, values in moments.items()}
@@ -501,6 +501,12 @@ def _unflatten_state(children: Any, context: Any) -> ShardState:
 
 
 _SAME, _SHARD = "params", "shard of params"
+
+
+def _shard_of(params: Any, bucket: Bucket, rank: int) -> Any:
+    """The rank's shard view of a bucket's parameters (a `_SHARD` master); a leaf that a
+    ``tree_map`` made something else (a shape, for a look at the state) stands for itself."""
+    return shard_view(params, bucket, rank) if isinstance(params, Tensor) else params
 
 
 def _master_alias(state: ShardState, index: int) -> str | None:

@@ -146,6 +146,8 @@ def test_pytree_leaves_are_the_state_tensors(
         assert (a is None) == (b is None)
         if a is not None:
             assert a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+    shapes = pytree.tree_map(lambda t: tuple(t.shape), state)  # a look at it: no tensors
+    assert shapes.params == tuple(tuple(p.shape) for p in state.params)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
