@@ -248,7 +248,7 @@ class Residency:
         # (`_unpin_after_backward`): a complete gradient keeps their pins (see
         # `on_grads_complete`). Forward's hooks fire in backward: cleared when a step starts.
         self.awaiting: collections.Counter[nn.Module] = collections.Counter()
-        self._pack_hook, self._unpack_hook = unguarded(self.pack), unguarded(self.unpack)
+        self._own_pack: int | None = None  # id of the pack hook `saved_tensors_hooks` made
         self.stack: list[nn.Module] = []
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -572,7 +572,7 @@ class Residency:
         """Whether forward runs under saved-tensor hooks other than stage 3's own: inside a
         non-reentrant checkpointed region (whose recomputation in backward pins buckets)."""
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return top is not None and top[0] is not self._pack_hook
+        return top is not None and id(top[0]) != self._own_pack  # (alive while it is on top)
 
     def _unpin_after_backward(self, module: nn.Module, buckets: list[int], args: Any,
                               kwargs: Any, *, counted: bool = False) -> None:
@@ -588,9 +588,9 @@ class Residency:
         module's buckets, which a complete gradient does not unpin until it fires (a stop-
         gradient ``self.w.detach()`` there is recomputed as an alias that an earlier node reads
         after ``w``'s gradient completes through its other use: a crash, a probe found)."""
-        inputs = [
+        inputs = [  # (a leaf's hook cannot run inside torch.autograd.grad: torch refuses)
             x for x in (*args, *kwargs.values())
-            if isinstance(x, Tensor) and x.requires_grad
+            if isinstance(x, Tensor) and x.requires_grad and x.grad_fn is not None
         ]
         if not inputs:
             return
@@ -616,7 +616,9 @@ class Residency:
 
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context that saves parameters for backward as references (`pack`, `unpack`)."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
+        pack = unguarded(self.pack)  # (not kept on self: a bound method there is a cycle)
+        self._own_pack = id(pack)
+        return torch.autograd.graph.saved_tensors_hooks(pack, unguarded(self.unpack))
 
     def pack(self, tensor: Tensor) -> Any:
         """Saved-tensor pack hook: parameters of a bucket are saved as a reference."""
