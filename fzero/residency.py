@@ -859,12 +859,8 @@ def _grad_under_guard(guard: _Guard, args: Any, kwargs: Mapping[str, Any]) -> An
     if not inputs:
         return torch.autograd.grad(*args, **kwargs)  # torch's own error
     batched = given["is_grads_batched"]
-    grads = torch.autograd._make_grads(
-        outputs, torch.autograd._tensor_or_tensors_to_tuple(given["grad_outputs"],
-                                                            len(outputs)),
-        is_grads_batched=batched)
-    create_graph = given["create_graph"]
-    retain_graph = create_graph if given["retain_graph"] is None else given["retain_graph"]
+    grads, retain_graph, create_graph = _engine_arguments(outputs, given["grad_outputs"], given,
+                                                          batched=batched)
 
     def vjp(grad_outputs: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
         return torch.autograd.graph._engine_run_backward(
@@ -912,12 +908,7 @@ def _backward_under_guard(guard: _Guard, args: Any, kwargs: Mapping[str, Any]) -
         tuple(inputs.values()) if type(inputs) is dict else _as_tuple(inputs))
     if given["inputs"] is not None and not inputs:
         return torch.autograd.backward(*args, **kwargs)  # torch's own error
-    grads = torch.autograd._make_grads(
-        tensors, torch.autograd._tensor_or_tensors_to_tuple(given["grad_tensors"],
-                                                            len(tensors)),
-        is_grads_batched=False)
-    create_graph = given["create_graph"]
-    retain_graph = create_graph if given["retain_graph"] is None else given["retain_graph"]
+    grads, retain_graph, create_graph = _engine_arguments(tensors, given["grad_tensors"], given)
     with guard:
         torch.autograd.graph._engine_run_backward(
             tensors, grads, retain_graph, create_graph, inputs, allow_unreachable=True,
@@ -926,6 +917,18 @@ def _backward_under_guard(guard: _Guard, args: Any, kwargs: Mapping[str, Any]) -
 
 
 _BACKWARD_SIGNATURE = inspect.signature(torch.autograd.backward)
+
+
+def _engine_arguments(roots: tuple[Any, ...], cotangents: Any, given: Mapping[str, Any], *,
+                      batched: bool = False) -> tuple[tuple[Tensor, ...], bool, bool]:
+    """The engine's cotangents for `roots`, its ``retain_graph`` and ``create_graph``, as
+    ``torch.autograd.grad`` and ``backward`` prepare them from their arguments `given`."""
+    grads = torch.autograd._make_grads(
+        roots, torch.autograd._tensor_or_tensors_to_tuple(cotangents, len(roots)),
+        is_grads_batched=batched)
+    create_graph = given["create_graph"]
+    retain_graph = create_graph if given["retain_graph"] is None else given["retain_graph"]
+    return grads, retain_graph, create_graph
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
