@@ -64,19 +64,10 @@ __all__ = [
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int64, torch.int32)
-# Bitwise views: every dtype compared through an integer type of its width (complex128, 16
-# bytes, as its real and imaginary parts).
-_INTEGER_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def bits(tensor: Tensor) -> Tensor:
-    """The tensor's raw bits as integers, for bitwise comparison (NaN-safe); any dtype."""
-    tensor = tensor.detach().contiguous()
-    if tensor.dtype == torch.bool:
-        return tensor
-    if tensor.dtype.is_complex:
-        tensor = torch.view_as_real(tensor)
-    return tensor.view(_INTEGER_OF_WIDTH[tensor.element_size()])
+    """The tensor's raw bits as integers, for bitwise comparison (NaN-safe); any dtype
+    (`fzero.flat.bits` of a contiguous copy)."""
+    return fzero.flat.bits(tensor.detach().contiguous())
 
 
 def bitwise_equal(a: Tensor, b: Tensor) -> bool:
@@ -91,7 +82,7 @@ def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generato
     if dtype.is_complex:
         real = _random_bits((*shape, 2), dtype.to_real(), gen)
         return torch.view_as_complex(real)
-    width = _INTEGER_OF_WIDTH[torch.empty(0, dtype=dtype).element_size()]
+    width = bits(torch.empty(0, dtype=dtype)).dtype  # an integer type of its width
     info = torch.iinfo(width)
     raw = torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64)
     return raw.to(width).view(dtype)
