@@ -695,8 +695,18 @@ def init(
         master_dtype = default_master_dtype(source_layout, layout)
     check_reduce_dtype(reduce_dtype, layout)
     check_optimizer_dtype(optimizer, master_dtype)
-    fingerprint_check(comm, layout.fingerprint, "layout fingerprint",
-                      parts=layout.parts())
+    # What the first step would compare, compared now: a save, `full_params` or an eval step
+    # before it would otherwise run on states built differently.
+    spec = optimizer.spec
+    settings = {
+        "stage": str(stage),
+        "master_dtype": str(master_dtype),
+        "reduce_dtype": str(reduce_dtype),
+        "the optimizer and its hyperparameters": repr(
+            spec.to_json() if spec is not None else None),
+    }
+    fingerprint_check(comm, "|".join([layout.fingerprint, *settings.values()]),
+                      "layout fingerprint", parts={**layout.parts(), **settings})
     module_buffers = dict(model.named_buffers()) if isinstance(model, nn.Module) else {}
     fingerprint_check(comm, buffers_fingerprint(module_buffers), "buffers fingerprint (buffer "
                       "names, shapes and dtypes)")

@@ -362,8 +362,15 @@ def _mismatched_init(comm: Any, how: str) -> str:
         kwargs["buckets"] = [[name] for name, _ in model.named_parameters()]
     if comm.rank == 1 and how == "shape":
         model.embed.weight = nn.Parameter(torch.zeros(3, 3))
+    stage, optimizer = 3, fzero.optim.adamw()
+    if comm.rank == 1 and how == "stage":
+        stage = 2
+    if comm.rank == 1 and how == "master_dtype":
+        kwargs["master_dtype"] = torch.float64
+    if comm.rank == 1 and how == "optimizer":
+        optimizer = fzero.optim.adamw(lr=2e-3)
     with pytest.raises(ValueError) as info:
-        fzero.init(model, stage=3, comm=comm, optimizer=fzero.optim.adamw(), **kwargs)
+        fzero.init(model, stage=stage, comm=comm, optimizer=optimizer, **kwargs)
     return str(info.value)
 
 
@@ -371,11 +378,16 @@ def _mismatched_init(comm: Any, how: str) -> str:
     ("frozen", "which parameters are trainable (requires_grad, trainable=) (this rank: "),
     ("buckets", "they differ in: how parameters are bucketed (buckets=) (this rank: "),
     ("shape", "they differ in: parameter names, shapes and dtypes (this rank: "),
+    ("stage", "stage (this rank: "),
+    ("master_dtype", "they differ in: master_dtype (this rank: "),
+    ("optimizer", "they differ in: the optimizer and its hyperparameters (this rank: "),
 ])
 def test_ranks_building_different_layouts_are_told_what_differs(how: str, named: str) -> None:
     """Every rank raises at init; the message said "layout fingerprint (parameter names, shapes
     and dtypes) differs" with two hashes, also when only requires_grad or the bucket policy
-    differed (a probe). It names the parts that differ, with this rank's value."""
+    differed (a probe). It names the parts that differ, with this rank's value. The stage,
+    master_dtype and optimizer, which only the first step compared, are compared too: a save,
+    `full_params` or eval step before it ran on states built differently."""
     for rank, message in enumerate(fzero.SimWorld(2).run(_mismatched_init, how)):
         assert message.startswith("layout fingerprint differs across ranks: rank 0 has ")
         assert f"(this is rank {rank}); " in message and named in message, message
