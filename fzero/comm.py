@@ -120,7 +120,9 @@ class Comm(Protocol):
         self, output: Tensor, input: Tensor, *, async_op: bool = False, label: str | None = None
     ) -> Work | None:
         """`output[q*s:(q+1)*s] = input of rank q`, with `output.numel() == N * input.numel()`.
-        `label` names what is moved in error messages (every collective takes one)."""
+        `label` names what is moved in error messages (every collective takes one); every
+        rank passes the same label to the same collective (`SimWorld` checks it, so that two
+        same-size tensors issued in different orders on two ranks raise there)."""
         ...
 
     def reduce_scatter(

@@ -35,13 +35,13 @@ and byte accounting from `CommBase`, so counters and error messages are those of
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -125,7 +125,7 @@ def _secondary(error: BaseException | None) -> bool:
     return False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Call:
     """One rank's side of one collective."""
 
@@ -137,12 +137,16 @@ class _Call:
     out_numel: int
     input: Tensor | None
     output: Tensor | None
+    label: str | None = None
 
     def signature(self) -> tuple[object, ...]:
-        return (self.kind, self.op, self.src, self.dtype, self.in_numel, self.out_numel)
+        return (self.kind, self.op, self.src, self.dtype, self.in_numel, self.out_numel,
+                self.label)
 
     def describe(self) -> str:
         parts = [f"input numel={self.in_numel}", f"output numel={self.out_numel}"]
+        if self.label is not None:
+            parts.insert(0, f"label={self.label!r}")
         if self.dtype is not None:
             parts.append(f"dtype={self.dtype}")
         if self.op is not None:
@@ -345,6 +349,7 @@ class SimComm(CommBase):
         self._name = channel or _MAIN
         self._seq = 0
         self._issue_lock = threading.Lock()  # collectives may be issued from side-stream threads
+        self._issuing = threading.local()  # the label of the collective this thread issues
         self._executor = ThreadPoolExecutor(
             1, thread_name_prefix=f"simworld-rank{rank}-{self._name}"
         )
@@ -353,7 +358,21 @@ class SimComm(CommBase):
     def _open_channel(self, name: str, host: bool) -> SimComm:
         return SimComm(self._world, self.rank, name)  # no collective needed in one process
 
+    def _named(
+        self, kind: str, label: str | None, start: Callable[[], Work | None]
+    ) -> Work | None:
+        # `start` runs in this thread (side-stream threads issue too): it reads the label here.
+        self._issuing.label = label
+        try:
+            return super()._named(kind, label, start)
+        finally:
+            self._issuing.label = None
+
     def _submit(self, call: _Call, async_op: bool) -> Work | None:
+        # Ranks must agree on what they move, not only on its size: two same-size buckets
+        # issued in different orders would otherwise pair silently (gloo cannot tell them
+        # apart; here every call's label is compared).
+        call = dataclasses.replace(call, label=getattr(self._issuing, "label", None))
         with self._issue_lock:
             seq, self._seq = self._seq, self._seq + 1
             try:

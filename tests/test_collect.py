@@ -568,6 +568,28 @@ def test_sim_layout_mismatch_lists_differing_ranks() -> None:
     assert SimWorld(n).run(cb.construct_body, [layout] * n) == [2] * n
 
 
+def _gather_in_rank_order(comm: Any, orders: Sequence[Sequence[int]]) -> list[Tensor]:
+    params = {"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}  # same-size buckets
+    layout = fzero.plan(params, comm.world_size, buckets=[["a"], ["b"]])
+    gather_async = collectives(layout, comm).gather_async
+    shards = fzero.shard(params, layout, comm.rank)
+    return [gather_async(shards, index).wait() for index in orders[comm.rank]]
+
+
+def test_sim_same_size_buckets_gathered_in_different_orders_raise() -> None:
+    """Rank 0 gathers bucket 0 then 1, rank 1 the reverse: the calls have equal sizes and
+    dtypes, so they paired and each rank got the other bucket's values in its first gather,
+    with no error. SimWorld now compares what each call moves (its label) too."""
+    assert [[t.tolist() for t in r] for r in SimWorld(2).run(
+        _gather_in_rank_order, [[0, 1], [0, 1]])] == [[[1.0] * 4, [2.0] * 4]] * 2
+    with pytest.raises(SimWorldError) as info:
+        SimWorld(2).run(_gather_in_rank_order, [[0, 1], [1, 0]])
+    message = str(info.value.__cause__)
+    assert re.search(r"collective #\d+ differs across ranks: rank \d called all_gather\("
+                     r"label=\"of bucket 'bucket\d'\"", message), message
+    assert "'bucket0'" in message and "'bucket1'" in message
+
+
 @pytest.mark.parametrize(
     "case", ["gather_async/bucket out of range", "gather_async/negative bucket"]
 )
