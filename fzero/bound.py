@@ -46,6 +46,15 @@ __all__ = ["Binder", "GradientWatch", "ModuleVersions", "buffer_aliases", "buffe
 
 T = TypeVar("T")
 
+_OVERWRITE_ON_CONVERSION = (
+    "forward converted a module (`module.to(...)`, `.float()`, `.half()`...) while "
+    "torch.__future__.set_overwrite_module_params_on_conversion(True) is set: torch then "
+    "replaces each parameter with a new nn.Parameter, and the step's parameters are the "
+    "state's tensors bound in their place (not nn.Parameter objects), so torch refuses. "
+    "Convert the module before fzero.init (build it in the dtype forward converts to), or "
+    "leave that flag off: without it the conversion writes in place, which the step checks"
+)
+
 
 class _Runner(nn.Module):
     """A module whose forward runs a thunk: functional_call(runner, ...) binds its child."""
@@ -111,6 +120,11 @@ class Binder:
         try:
             return functional_call(self._runner, prefixed, (keeping if keep else fn,),
                                    tie_weights=False, strict=False)
+        except AssertionError as error:
+            if (str(error) == "param must be a Parameter"
+                    and torch.__future__.get_overwrite_module_params_on_conversion()):
+                raise RuntimeError(_OVERWRITE_ON_CONVERSION) from error
+            raise
         finally:
             held.release()
 

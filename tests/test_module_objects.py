@@ -297,6 +297,27 @@ def test_forward_that_gives_a_parameter_new_data_raises_and_the_next_step_is_exa
                                 switch="mode", bad=mode, fixed="to-own-dtype")
 
 
+@pytest.fixture
+def overwrite_on_conversion():
+    """torch's process-wide switch that makes `module.to()` replace parameter objects."""
+    was = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_overwrite_module_params_on_conversion(was)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_conversion_in_forward_under_overwrite_on_conversion_is_explained(
+        stage, overwrite_on_conversion):
+    """With `torch.__future__.set_overwrite_module_params_on_conversion(True)`, `module.to()`
+    in forward asserts that every parameter is an nn.Parameter, and the step's bound tensors
+    are not: torch's bare AssertionError "param must be a Parameter" came out at every stage.
+    It is now a RuntimeError naming the switch and the fixes; the state is unchanged and the
+    next steps, without the conversion, train exactly."""
+    _raises_then_trains_exactly(Renormed, stage, r"set_overwrite_module_params_on_conversion"
+                                r"\(True\) is set", switch="mode", bad="to", fixed="none")
+
+
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("mode", ["data", "to"])
 def test_an_eval_forward_that_gives_a_parameter_new_data_raises(stage, mode):
