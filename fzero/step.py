@@ -201,14 +201,18 @@ def make_train_step(
             micro-batch's forward; ``"local"``: each rank keeps its own.
         streams: where collectives run; default CUDA side streams on a CUDA device, the comm's
             async handles elsewhere; `fzero.collect.EmulatedStreams` to test the ordering on CPU.
-        max_skipped: steps that may be skipped in a row for non-finite gradients (e.g. fp16
-            loss-scale back-off) before the step raises `StepError`, naming the ranks whose loss
-            was not finite; a skipped step with non-finite *parameters* raises at once.
+        max_skipped: the number of skipped steps in a row that raises: up to
+            ``max_skipped - 1`` steps in a row may be skipped (e.g. fp16 loss-scale back-off),
+            and the ``max_skipped``-th raises `StepError`, naming the ranks whose loss was not
+            finite (1: none may be skipped). A step is skipped when the global gradient norm,
+            computed in the master dtype, is not finite: a non-finite gradient, or finite
+            ones whose squares overflow it (above ~1.8e19 in float32). A skipped step with
+            non-finite *parameters* raises at once.
 
     Returns:
         The step function. ``metrics`` holds ``loss`` (mean over ranks and micro-batches,
         these weighted by `MicroBatches` weights), ``grad_norm`` (before clipping),
-        ``skipped`` (non-finite gradients: no update),
+        ``skipped`` (a non-finite gradient norm: no update),
         ``nonfinite_ranks`` (ranks whose loss was not finite), ``lr``, ``step``, ``comm_bytes``
         (this rank's bytes sent for parameters and gradients, ring accounting, charged when a
         collective is issued) and ``comm_bytes_by_kind``, ``control_bytes`` (the step's small
@@ -474,6 +478,9 @@ def make_eval_step(
             with _sharded(state, model, prefetch, streams, train=False) as session:
                 out = binder.run(_bindings(state, session.leaves, buffers, named),
                                  lambda: session.evaluate(fn, model, batch))
+            # The gathered copy a forward wrote in place is released with its bucket: torch's
+            # module would keep the write (nn.Embedding(max_norm=...) in eval), the state not.
+            _check_unmodified(session.leaves, session.versions, state)
             if session.written:  # found as the buckets were released, the last ones on exit
                 raise _written_through_data(state, session.written)
             replaced = session.residency.buffers.replaced()

@@ -887,6 +887,43 @@ def test_a_parameter_written_in_place_by_forward_raises(stage: int, accum_steps:
         assert ("This rank's state already holds the change" in message) == (stage < 3)
 
 
+def _eval_in_place(comm: Any, *, stage: int, model: nn.Module, tokens: Tensor) -> Any:
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+    evaluate = fzero.make_eval_step(model, lambda call, b: call(b))
+    before = fzero.full_params(state)["emb.weight"]
+    try:
+        out = evaluate(state, tokens)
+    except ValueError as exc:
+        return str(exc), torch.equal(fzero.full_params(state)["emb.weight"], before)
+    return out, fzero.full_params(state)["emb.weight"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_parameter_written_in_place_by_an_eval_forward(stage: int) -> None:
+    """torch's module keeps what an eval forward writes in place (nn.Embedding(max_norm=...)
+    renormalizes the rows it looks up). Below stage 3 the forward reads the state's own
+    tensors, so the state keeps it too, exactly as torch's; stage 3 wrote into the gathered
+    copy and released it with the write, silently (a probe: the rows stayed 3.3 off torch's,
+    and training went on from them). Stage 3 now raises, the state unchanged."""
+    torch.manual_seed(0)
+    model = _MaxNormEmbedding()
+    with torch.no_grad():
+        model.emb.weight.mul_(4)  # every row above max_norm: a lookup renormalizes it
+    tokens = torch.tensor([1, 2, 3, 1])
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        want = reference(tokens)
+    got, weight = fzero.SimWorld(1).run(_eval_in_place, stage=stage, model=model,
+                                        tokens=tokens)[0]
+    if stage == 3:
+        assert "the forward modified parameter(s) ['emb.weight'] in place" in got
+        assert weight is True  # unchanged
+        return
+    assert torch.equal(got, want)
+    assert torch.equal(weight, reference.emb.weight)
+    assert not torch.equal(weight, model.emb.weight)  # the rows did change
+
+
 class _ClampsThroughData(nn.Module):
     """Clips its first weight through ``.data`` in forward (WGAN style), which bumps no version
     counter; from the second forward on with ``later=True``."""
