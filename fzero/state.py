@@ -301,16 +301,25 @@ def check_reduce_dtype(reduce_dtype: torch.dtype | None, layout: ShardLayout) ->
 def check_optimizer_dtype(optimizer: Optimizer, master_dtype: torch.dtype) -> None:
     """Raise if the optimizer's ``eps`` is zero in `master_dtype`, where its update runs (Adam's
     default 1e-8 in float16): Adam divides by ``sqrt(v) + eps``, so an element whose gradient is
-    exactly zero would update to 0/0 = NaN while the step reports success."""
+    exactly zero would update to 0/0 = NaN while the step reports success. ``eps=0`` too: the
+    padding of every bucket the world size does not divide has a zero gradient at every step
+    (torch, without padding, gives NaN only on elements whose gradient is zero)."""
     eps = dict(optimizer.spec.hyperparameters).get("eps") if optimizer.spec else None
-    if eps and not torch.tensor(eps, dtype=master_dtype):
-        tiny = torch.finfo(master_dtype).smallest_normal
+    if eps is None or torch.tensor(eps, dtype=master_dtype):
+        return
+    tiny = torch.finfo(master_dtype).smallest_normal
+    name = optimizer.spec.name
+    if not eps:
         raise ValueError(
-            f"{optimizer.spec.name}'s eps={eps:g} is 0 in master_dtype={master_dtype} (its "
-            f"smallest normal number is {tiny:g}): an element whose gradient is exactly zero "
-            f"would update to 0/0 = NaN. Keep a float32 master (the default), or pass "
-            f"eps >= {tiny:g}"
+            f"{name}'s eps=0: bucket padding, whose gradient is always zero, would update to "
+            f"0/0 = NaN (as, in torch too, would any element whose gradient is exactly zero). "
+            f"Pass eps >= {tiny:g}"
         )
+    raise ValueError(
+        f"{name}'s eps={eps:g} is 0 in master_dtype={master_dtype} (its smallest normal "
+        f"number is {tiny:g}): an element whose gradient is exactly zero would update to "
+        f"0/0 = NaN. Keep a float32 master (the default), or pass eps >= {tiny:g}"
+    )
 
 
 def state_device(device: torch.device | str | None, comm: Comm) -> torch.device:

@@ -433,6 +433,10 @@ CASES = [
     Case("init: float16 master_dtype with Adam's eps=1e-8",
          lambda c: init(c, master_dtype=torch.float16), VE,
          r"adamw's eps=1e-08 is 0 in master_dtype=torch.float16"),
+    Case("init: Adam's eps=0 (bucket padding would become NaN, a probe)",
+         lambda c: init(c, optimizer=fzero.optim.adamw(eps=0.0)), VE,
+         r"adamw's eps=0: bucket padding, whose gradient is always zero, would update to "
+         r"0/0 = NaN"),
     Case("init: model a list", lambda c: init(c, model=[torch.zeros(2)]), TE,
          "params must be an nn.Module or a mapping"),
     Case("init: integer parameter marked trainable",
