@@ -140,9 +140,11 @@ def load(
             "the checkpoint (its save id, step and world size)": repr(
                 (manifest.save_id, saved["step"], manifest.world_size)),
             "stage, dtypes (param, master, reduce), weights_only": repr(
-                (stage, param_dtype, master_dtype, reduce_dtype, weights_only))}
+                (stage, param_dtype, master_dtype, reduce_dtype, weights_only)),
+            "the optimizer and its hyperparameters": repr(
+                optimizer.spec.to_json() if optimizer.spec is not None else None)}
     try:
-        fingerprint_check(comm, repr((layout.fingerprint, *list(call.values())[-2:])),
+        fingerprint_check(comm, repr((layout.fingerprint, *list(call.values())[-3:])),
                           "load call", parts=call)
     except ValueError as error:
         raise CheckpointError(f"load {path}: {error}; nothing was loaded") from None
