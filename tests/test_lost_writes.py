@@ -366,7 +366,8 @@ def test_a_write_that_reaches_some_ranks_only_raises_on_every_rank(
                     or "were written during" in out["error"]), out["error"]
             assert out["unchanged"]
             assert out["refused"] is not None and "nothing was written" in out["refused"]
-            assert "bypassed autograd" in out["refused"], out["refused"]
+            assert "a write outside a train step" in out["refused"], out["refused"]
+            assert "rank(s) []" not in out["refused"], out["refused"]  # only what applies
     assert not list(tmp_path.iterdir())
 
 

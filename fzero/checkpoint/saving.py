@@ -115,13 +115,17 @@ def save(
         differ = [r for r, row in enumerate(rows) if row[3] != rows[0][3]]
         here = (f" (this rank: buckets {[state.layout.buckets[i].label for i in written]})"
                 if written else "")
+        found = ([f"rank(s) {apart} hold parameters apart from their master copy{here}"]
+                 if apart else [])
+        found += ([f"rank(s) {differ} hold full parameters that differ from rank 0's (a "
+                   f"write that reached some ranks' copies only)"] if differ else [])
         raise CheckpointError(
-            f"save: the parameters hold a write that bypassed autograd (through .data) which "
-            f"training would drop: rank(s) {apart} hold parameters apart from their master "
-            f"copy{here}; rank(s) {differ} hold full parameters that differ from rank 0's. "
-            f"A checkpoint would store it as if it were trained state; nothing was "
-            f"written. Rebuild the state (the last checkpoint, or "
-            f"fzero.init from fzero.full_params(state, master=True)) and drop the write")
+            f"save: the parameters hold a write outside a train step (through .data, or an "
+            f"in-place write in an eval step's forward) which training would drop or the "
+            f"ranks do not share: {'; '.join(found)}. A checkpoint would store it as if it "
+            f"were trained state; nothing was written. Rebuild the state (the last "
+            f"checkpoint, or fzero.init from fzero.full_params(state, master=True)) and drop "
+            f"the write")
     if any(row[1] for row in rows):
         if bad_extra is not None:
             raise bad_extra
