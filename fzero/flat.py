@@ -240,7 +240,10 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     (an odd weight times a nonzero change is nonzero modulo 2**64); changes to several, a
     clamp, a rescale, values moved from one block to another (``roll`` of anything larger than
     a block) cancel only by coincidence. Values permuted within one block, or shifted balanced
-    in sign within one, cancel exactly (`checksum` sees those, at 60 times the cost)."""
+    in sign within one, cancel exactly (`checksum` sees those, at 60 times the cost); so do,
+    compared across copies, equally many rescales by the same power of two in one block (each
+    moves its word by the same multiple of 2**52 in float64: copy A halving one element and
+    copy B another of the same block fingerprint alike, a probe found)."""
     flat = tensor.detach().reshape(-1)
     aligned = flat.storage_offset() * flat.element_size() % 8 == 0
     words = flat.numel() * flat.element_size() // 8 if aligned else 0
