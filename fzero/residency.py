@@ -587,15 +587,18 @@ class Residency:
         partly frozen). `counted`: a forward use in a checkpointed region, for all the
         module's buckets, which a complete gradient does not unpin until it fires (a stop-
         gradient ``self.w.detach()`` there is recomputed as an alias that an earlier node reads
-        after ``w``'s gradient completes through its other use: a crash, a probe found)."""
+        after ``w``'s gradient completes through its other use: a crash, a probe found). A
+        module whose inputs are leaves or need no gradient has no node to hook: its frozen
+        buckets' pins, and with `counted` all its pins, last until the phase ends (memory, not
+        the one-bucket bound; the same alias there crashed too)."""
         inputs = [  # (a leaf's hook cannot run inside torch.autograd.grad: torch refuses)
             x for x in (*args, *kwargs.values())
             if isinstance(x, Tensor) and x.requires_grad and x.grad_fn is not None
         ]
+        if counted:  # (without such an input no hook can say when: the phase's end does)
+            self.awaiting[module] += 1
         if not inputs:
             return
-        if counted:
-            self.awaiting[module] += 1
 
         def done(_: Any) -> None:
             if counted and self.awaiting[module] > 0:

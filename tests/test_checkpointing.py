@@ -373,28 +373,37 @@ class _StopGradient(torch.nn.Module):
 
 
 class _CheckpointedStopGradient(torch.nn.Module):
-    def __init__(self, matmul: bool) -> None:
+    """The block's input: computed (``"computed"``), the raw batch, which needs no gradient
+    (``"raw"``), or a leaf that requires one (``"leaf"``)."""
+
+    def __init__(self, matmul: bool, source: str = "computed") -> None:
         super().__init__()
         with gb.seeded(4):
             self.inp, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
         self.block = _StopGradient(matmul)
+        self.source = source
         self.double()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.utils.checkpoint.checkpoint(self.block, self.inp(x),
-                                                           use_reentrant=False))
+        h = {"computed": lambda: self.inp(x), "raw": lambda: x,
+             "leaf": lambda: x.detach().requires_grad_()}[self.source]()
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False))
 
 
+@pytest.mark.parametrize("source", ["computed", "raw", "leaf"])
 @pytest.mark.parametrize("matmul", [False, True], ids=["elementwise", "matmul"])
-def test_stage3_stop_gradient_copy_in_a_checkpointed_block_is_exact(matmul: bool) -> None:
+def test_stage3_stop_gradient_copy_in_a_checkpointed_block_is_exact(matmul: bool,
+                                                                    source: str) -> None:
     """The recomputed ``scale.detach()`` aliases its bucket; ``scale``'s gradient completes
     through its other use first, and completion released the bucket under the alias, which an
     earlier node then read: a segfault or OutsideOwnerError (a probe's fuzzer). A module whose
-    backward is still to run keeps its recomputation pins now."""
+    backward is still to run keeps its recomputation pins now; one whose input needs no
+    gradient or is a leaf (no hook can say when its backward ran) keeps them to the end of
+    backward (it segfaulted still: a probe)."""
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4, 4, generator=gen, dtype=torch.float64),
                 torch.randn(4, 2, generator=gen, dtype=torch.float64)) for _ in range(2)]
-    model = _CheckpointedStopGradient(matmul)
+    model = _CheckpointedStopGradient(matmul, source)
     out = fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, batches, stage=3,
                                 opt=("sgd", gb.SGD), buckets=1)
     gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, batches, gb.torch_sgd))
