@@ -421,3 +421,42 @@ def test_inspect_counts_frozen_parameters_in_its_memory_table(tmp_path) -> None:
     assert float(row[1]) * 1e9 == pytest.approx(stage0, rel=1e-5)
     assert float(row[4]) * 1e9 == pytest.approx(stage3, rel=1e-5)
     assert "1,010 trainable" in text and "10,100 frozen" in text
+
+
+class _Rotary(torch.nn.Module):
+    """A linear layer scaled by a non-persistent buffer derived from a setting (as rotary
+    embeddings' ``inv_freq`` is from ``rope_theta``)."""
+
+    def __init__(self, theta: float) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("inv_freq", torch.full((3,), 1.0 / theta), persistent=False)
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))  # persistent
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.inv_freq
+
+
+def _load_buffers(comm: Any, path: str, theta: float, meta: bool) -> dict[str, torch.Tensor]:
+    state = fzero.init(_Rotary(100.0), stage=1, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+    state.buffers["count"].fill_(7)
+    fzero.save(state, path)
+    model = _Rotary(theta)
+    if meta:
+        model.to("meta")
+    return dict(fzero.load(path, model=model, comm=comm).buffers)
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["materialized", "meta"])
+def test_load_takes_non_persistent_buffers_from_the_model_as_torch_does(tmp_path,
+                                                                        meta: bool) -> None:
+    """torch's ``load_state_dict`` leaves non-persistent buffers as the model built them: a
+    model built with another setting (``rope_theta``) computes with its own ``inv_freq``.
+    `load` took the checkpoint's, silently (a probe). Persistent buffers come from the
+    checkpoint; a model on meta has no values of its own, so there the checkpoint's are kept."""
+    buffers = fzero.SimWorld(2).run(_load_buffers, str(tmp_path / "c"), 10.0, meta)[0]
+    assert int(buffers["count"]) == 7
+    want = 1.0 / (100.0 if meta else 10.0)
+    assert torch.equal(buffers["inv_freq"], torch.full((3,), want))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -72,7 +72,9 @@ def load(
     Args:
         path: the checkpoint directory.
         model: the module to train (any device, ``meta`` included: only its parameter names,
-            shapes and buffers are read), or a mapping of parameter names to tensors.
+            shapes and buffers are read), or a mapping of parameter names to tensors. Its
+            non-persistent buffers keep the values it holds (as ``load_state_dict`` leaves
+            them: a rotary ``inv_freq`` of another ``rope_theta``), or on ``meta`` the saved.
         comm: this rank's communicator; every rank must call `load`.
         optimizer: the optimizer; default: rebuilt from the manifest (required when the saved
             one used a learning-rate schedule, which cannot be stored).
@@ -152,13 +154,15 @@ def load(
 
     # Each rank's own buffers (they differ under buffers="local"); at another N, rank 0's.
     own_buffers = comm.rank if manifest.world_size == comm.world_size else 0
+    from_model = _model_owned_buffers(model, buffer_names)
     with Reader(path, manifest, layout) as reader:
         state = record.build(
             layout, stage, record.steps_by_every_name(saved, manifest.layout), reader.fill,
             comm=comm, optimizer=optimizer,
             param_dtype=param_dtype, master_dtype=master_dtype, reduce_dtype=reduce_dtype,
-            device=device, buffers={name: functools.partial(reader.buffer, rank=own_buffers)
-                                    for name in buffer_names},
+            device=device, buffers={
+                name: from_model.get(name) or functools.partial(reader.buffer, rank=own_buffers)
+                for name in buffer_names},
             same_buckets=[b.names for b in layout.buckets]
             == [b.names for b in manifest.layout.buckets],
             fresh_optimizer=weights_only,
@@ -291,7 +295,7 @@ def _layout(
 ) -> ShardLayout:
     """The new layout, after checking that `model` is the saved model."""
     saved = manifest.layout
-    model = _retied(model, saved)
+    model = _retied(model, saved, check_flags=trainable is None)
     planned = plan(model, world_size)
     mismatch = compare(saved, planned)
     if mismatch:
@@ -444,13 +448,32 @@ def _check_buffers(
     return list(named)
 
 
+def _model_owned_buffers(
+    model: nn.Module | Mapping[str, Tensor], names: list[str]
+) -> dict[str, Callable[[str], Tensor]]:
+    """Readers of the model's own values for its non-persistent buffers among `names` that it
+    holds on a device (not meta): torch's ``load_state_dict`` never touches those (rotary
+    ``inv_freq``: a model built with another ``rope_theta`` keeps its own), so `load` takes them
+    from the model too; it took the checkpoint's, silently (a probe). On meta the checkpoint's
+    are the only values there are."""
+    if not isinstance(model, nn.Module):
+        return {}
+    non_persistent = {f"{prefix}.{name}" if prefix else name
+                      for prefix, module in model.named_modules()
+                      for name in module._non_persistent_buffers_set}
+    named = dict(model.named_buffers())
+    return {name: lambda _, value=named[name]: value.detach().clone()
+            for name in names if name in non_persistent and not named[name].is_meta}
+
+
 def _retied(
-    model: nn.Module | Mapping[str, Tensor], saved: ShardLayout
+    model: nn.Module | Mapping[str, Tensor], saved: ShardLayout, *, check_flags: bool = True
 ) -> nn.Module | Mapping[str, Tensor]:
     """`model` with the saved ties that it lost only by moving to `meta` restored, for planning
     (``model.to("meta")`` gives each name of a tied weight its own tensor): a new bucket policy
     planned on the untied names stored and trained the tie as two parameters. A copy (on meta:
-    no memory); the user's model is left alone."""
+    no memory); the user's model is left alone. `check_flags`: raise if the names of a tie
+    restored so differ in ``requires_grad`` (the first name's decided, silently: a probe)."""
     if not isinstance(model, nn.Module | Mapping):
         return model  # (plan names what it takes)
     named = (dict(model.named_parameters(remove_duplicate=False))
@@ -460,6 +483,13 @@ def _retied(
                                      for name in entry.names)]  # (another model: named later)
     if not lost:
         return model
+    for entry in lost if check_flags else ():  # one tensor: which flag would it take?
+        flags = {name: named[name].requires_grad for name in entry.names}
+        if len(set(flags.values())) > 1:
+            raise CheckpointError(
+                f"{entry.names} are one tied tensor in the checkpoint, which the model (on "
+                f"meta, where the names hold separate tensors) marks differently: "
+                f"requires_grad {flags}. Set the same flag on every name (or pass trainable=)")
     if not isinstance(model, nn.Module):
         for entry in lost:
             named.update(dict.fromkeys(entry.aliases, named[entry.name]))
