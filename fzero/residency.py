@@ -30,7 +30,9 @@ its own business (releasing needs no collective):
   inputs: its backward is over), and, for a trainable bucket, when the bucket's gradient is
   complete, unless the module used it in a checkpointed region and its backward is still to
   run (`awaiting`: a recomputed stop-gradient alias may not feed the gradient). Only the
-  holder's own pins end: modules sharing a bucket keep theirs. ``torch.autograd.grad`` and
+  holder's own pins end: modules sharing a bucket keep theirs. A stop-gradient alias
+  (``detach``, ``.data``) taken during recomputation keeps its bucket to the phase's end
+  (`aliased`): nothing says when the nodes that read it have run. ``torch.autograd.grad`` and
   ``torch.autograd.backward`` called inside the guarded phases (a penalty, a reentrant
   checkpoint's backward) run with the guard on: torch would run them with the mode off.
 
@@ -591,9 +593,15 @@ class Residency:
         module whose inputs are leaves or need no gradient has no node to hook: its frozen
         buckets' pins, and with `counted` all its pins, last until the phase ends (memory, not
         the one-bucket bound; the same alias there crashed too)."""
-        inputs = [  # (a leaf's hook cannot run inside torch.autograd.grad: torch refuses)
+        # A leaf's hook cannot run inside torch.autograd.grad (torch refuses), which forward's
+        # graph may meet (a penalty); a reentrant recomputation's inputs are leaves, and its
+        # graph meets only the region's own torch.autograd.backward (a recomputed graph of a
+        # non-reentrant region is never differentiated). Without them, a reentrant region's
+        # frozen buckets stayed gathered to the end of backward (a probe).
+        leaves = self.recomputing
+        inputs = [
             x for x in (*args, *kwargs.values())
-            if isinstance(x, Tensor) and x.requires_grad and x.grad_fn is not None
+            if isinstance(x, Tensor) and x.requires_grad and (leaves or x.grad_fn is not None)
         ]
         if counted:  # (without such an input no hook can say when: the phase's end does)
             self.awaiting[module] += 1
@@ -645,7 +653,8 @@ class Residency:
         modules whose backward is still to run (`awaiting`) stay: their recomputed tensors may
         alias the bucket without feeding its gradient."""
         pins = self.pinned[index]
-        for holder in [h for h in pins if h is None or not self.awaiting[h]]:
+        for holder in [h for h in pins if h is None or (
+                h is not _ALIASED and not self.awaiting[h])]:
             del pins[holder]
         if self.phase == "backward":
             keep = self._ahead()
@@ -668,6 +677,15 @@ class Residency:
         if index not in self.resident or index in self.inflight or index in self.fresh:
             self.need(index, evict=False, pin=self.recomputing,
                       holder=self.stack[-1] if self.stack else None)
+
+    def aliased(self, index: int) -> None:
+        """A stop-gradient alias of a parameter of bucket `index` (``w.detach()``, ``w.data``)
+        was taken: during recomputation its bucket stays until the phase ends. The alias does
+        not feed the bucket's gradient, so neither a complete gradient nor the end of a
+        module's backward says that the nodes reading it have run (recomputed before the
+        module that owns it, such an alias was read released: a segfault, a probe found)."""
+        if self.recomputing:
+            self.pinned[index][_ALIASED] += 1
 
     def settle(self, tensor: Tensor) -> None:
         """Wait for the gather in flight into the memory `tensor` views, if any. A view of a
@@ -725,6 +743,9 @@ class Residency:
         )
 
 
+_ALIASED = nn.Module()
+"""The holder of `Residency.aliased`'s pins, which only the phase's end drops."""
+
 _METADATA = frozenset({
     "__set__", "size", "dim", "numel", "nelement", "stride", "storage_offset",
     "is_contiguous", "untyped_storage", "data_ptr", "element_size", "is_floating_point",
@@ -746,6 +767,13 @@ def _reads_data(func: Any) -> bool:
     if name == "__get__":  # a property: .grad or .shape read nothing, .T views the data
         return _property(func) in _DATA_PROPERTIES
     return name not in _METADATA
+
+
+@functools.lru_cache(maxsize=4096)
+def _detaches(func: Any) -> bool:
+    """Whether torch function `func` returns its tensor's memory cut off from autograd
+    (``detach``, the ``.data`` getter): no gradient says when such an alias is done."""
+    return getattr(func, "__name__", "") == "detach" or _takes_data(func)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -785,6 +813,8 @@ class _Guard(TorchFunctionMode):
                             index = bucket_of.get(id(base))
                     if index is not None:
                         residency.read(index)
+                        if _detaches(func):
+                            residency.aliased(index)
                         if _takes_data(func):
                             residency.data_taken.add(index)  # writes through it bump nothing
                     elif residency.inflight:
