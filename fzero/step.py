@@ -427,6 +427,7 @@ def make_eval_step(
         raise ValueError(f"prefetch must be 0, 1 or 2 buckets, got {prefetch=}")
     binder = Binder(model)
     own_streams: dict[torch.device, Streams | None] = {}  # see _streams_of
+    checked_writes = False  # stage 3: whether an eval looked for writes bypassing autograd
 
     def evaluate(state: ShardState, batch: Any) -> Any:
         if not isinstance(state, ShardState):
@@ -451,6 +452,7 @@ def make_eval_step(
 
     def _evaluate(state: ShardState, batch: Any, problem: Exception | None,
                   named: dict[str, Tensor]) -> Any:
+        nonlocal checked_writes
         if state.stage < 3:
             buffers = {name: b.clone() for name, b in state.buffers.items()}
             leaves = [entry_views(flat, bucket)
@@ -475,9 +477,11 @@ def make_eval_step(
             agree_header(control, _header(state, 0 if problem else 1, kind=1),
                          what="eval step", own=problem)
             streams = _streams_of(own_streams, state.config.device)
-            with _sharded(state, model, prefetch, streams, train=False) as session:
+            with _sharded(state, model, prefetch, streams, train=False,
+                          check_writes=not checked_writes) as session:
                 out = binder.run(_bindings(state, session.leaves, buffers, named),
                                  lambda: session.evaluate(fn, model, batch))
+            checked_writes = True
             # The gathered copy a forward wrote in place is released with its bucket: torch's
             # module would keep the write (nn.Embedding(max_norm=...) in eval), the state not.
             _check_unmodified(session.leaves, session.versions, state)

@@ -273,6 +273,31 @@ def test_a_write_through_data_in_an_eval_step_lands_in_the_state_or_raises() -> 
         torch.testing.assert_close(out["weight"], initial, rtol=0, atol=0)
 
 
+class WritesThroughDLPack(ClampsThroughData):
+    """Clamps a weight through a DLPack alias in forward: a tensor of its own version counter,
+    and no ``.data`` the guard could see."""
+
+    def forward(self, inp: Tensor) -> Tensor:
+        with torch.no_grad():
+            torch.from_dlpack(self.a.weight.detach()).clamp_(-0.2, 0.2)
+        return self.out(torch.tanh(self.a(inp)))
+
+
+def test_a_write_no_check_sees_in_an_eval_steps_first_run_raises_at_stage_3() -> None:
+    """Stage 3 compares every released bucket with its shard on a step function's first step
+    (what no version counter and no ``.data`` shows): train steps did, eval steps did not,
+    though the README said both, and such a write was lost with the gathered copy silently.
+    Stages 0-2 keep it, as torch's module does; stage 3 raises, the state unchanged."""
+    x = square(1)[0][0][:2]
+    initial = WritesThroughDLPack().a.weight.detach().clone()
+    out = fzero.SimWorld(1).run(_evaluate_outcome, WritesThroughDLPack(), 0, x)[0]
+    assert out["raised"] is None
+    torch.testing.assert_close(out["weight"], initial.clamp(-0.2, 0.2), rtol=0, atol=0)
+    out = fzero.SimWorld(1).run(_evaluate_outcome, WritesThroughDLPack(), 3, x)[0]
+    assert out["raised"] is not None and "written during the step" in out["raised"]
+    torch.testing.assert_close(out["weight"], initial, rtol=0, atol=0)
+
+
 class BiasReadInBackward(nn.Module):
     """Two Linear layers; the loss adds nothing but makes backward read the head's bias first,
     through a gradient hook: a read the guard sees, not a saved tensor (a Linear's backward does
