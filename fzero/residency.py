@@ -242,9 +242,10 @@ class Residency:
         self.by_pointer: dict[int, int] = {}
         self.active = [0] * len(layout.buckets)
         # Per bucket, its recomputation pins by holder: the module whose recomputed forward
-        # used it (released when that module's backward is done), or None (a read outside
-        # the module hooks, released with the phase or a complete gradient).
-        self.pinned: list[collections.Counter[nn.Module | None]] = [
+        # used it (released when that module's backward is done), None (a read outside the
+        # module hooks, released with the phase or a complete gradient), or `_ALIASED` (a
+        # stop-gradient alias taken: released with the phase).
+        self.pinned: list[collections.Counter[object]] = [
             collections.Counter() for _ in layout.buckets]
         # Modules whose forward use inside a checkpointed region has a backward still to run
         # (`_unpin_after_backward`): a complete gradient keeps their pins (see
@@ -743,7 +744,7 @@ class Residency:
         )
 
 
-_ALIASED = nn.Module()
+_ALIASED = object()
 """The holder of `Residency.aliased`'s pins, which only the phase's end drops."""
 
 _METADATA = frozenset({
