@@ -144,6 +144,11 @@ class Optimizer(NamedTuple):
     lr: Schedule
     spec: OptimizerSpec | None = None
 
+    def describe(self) -> str:
+        """The constructor and hyperparameters as text (``"None"`` for a hand-made pair): what
+        ranks compare before they train together."""
+        return repr(self.spec.to_json() if self.spec is not None else None)
+
 
 # --------------------------------------------------------------------------------------------
 # Hyperparameter checks

@@ -706,13 +706,11 @@ def init(
     check_optimizer_dtype(optimizer, master_dtype)
     # What the first step would compare, compared now: a save, `full_params` or an eval step
     # before it would otherwise run on states built differently.
-    spec = optimizer.spec
     settings = {
         "stage": str(stage),
         "master_dtype": str(master_dtype),
         "reduce_dtype": str(reduce_dtype),
-        "the optimizer and its hyperparameters": repr(
-            spec.to_json() if spec is not None else None),
+        "the optimizer and its hyperparameters": optimizer.describe(),
     }
     fingerprint_check(comm, "|".join([layout.fingerprint, *settings.values()]),
                       "layout fingerprint", parts={**layout.parts(), **settings})

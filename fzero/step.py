@@ -264,10 +264,8 @@ def make_train_step(
         if fingerprint not in decayed:
             decayed[fingerprint] = None if decay is None else _decayed(state.layout, decay)
         config, scale = state.config, state.loss_scale
-        spec = config.optimizer.spec
         return {
-            "the optimizer and its hyperparameters": repr(
-                spec.to_json() if spec is not None else None),
+            "the optimizer and its hyperparameters": config.optimizer.describe(),
             "clip_norm": repr(clip_norm),
             "max_skipped": repr(max_skipped),
             "the buffers policy": repr(buffers),

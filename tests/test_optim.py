@@ -571,3 +571,13 @@ def test_from_spec_rejects_unknown_names_and_non_specs() -> None:
     with pytest.raises(ValueError, match="not an optimizer spec"):
         optim.OptimizerSpec.from_json({"name": "adamw"})
     assert optim.Optimizer(lambda p: {}, lambda *a, **k: None, lambda s: 0.1).spec is None
+
+
+def test_describe_names_the_constructor_and_every_hyperparameter() -> None:
+    """What ranks compare before training together (`init`, `load`, the step's settings)."""
+    text = optim.adamw(lr=2e-3, betas=(0.9, 0.95)).describe()
+    assert "'name': 'adamw'" in text and "'lr': 0.002" in text and "[0.9, 0.95]" in text
+    assert text != optim.adamw(lr=1e-3, betas=(0.9, 0.95)).describe()
+    hand_made = optim.Optimizer(init=lambda p: {}, update=lambda *a, **k: None,
+                                lr=lambda step: 0.1)
+    assert hand_made.describe() == "None"

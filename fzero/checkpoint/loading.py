@@ -143,8 +143,7 @@ def load(
                 (manifest.save_id, saved["step"], manifest.world_size)),
             "stage, dtypes (param, master, reduce), weights_only": repr(
                 (stage, param_dtype, master_dtype, reduce_dtype, weights_only)),
-            "the optimizer and its hyperparameters": repr(
-                optimizer.spec.to_json() if optimizer.spec is not None else None)}
+            "the optimizer and its hyperparameters": optimizer.describe()}
     try:
         fingerprint_check(comm, repr((layout.fingerprint, *list(call.values())[-3:])),
                           "load call", parts=call)
