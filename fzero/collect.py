@@ -49,6 +49,7 @@ __all__ = [
     "SideStreams",
     "Streams",
     "all_gather_bucket",
+    "bucket_label",
     "collectives",
     "reduce_scatter_bucket",
 ]
@@ -270,7 +271,14 @@ def all_gather_bucket(
         out = shard.new_empty(bucket.padded_numel)
     return launch(streams, "all_gather", out, (shard,),
                   lambda: comm.all_gather(out, shard, async_op=True,
-                                          label=f"of bucket {bucket.label!r}"))
+                                          label=bucket_label(bucket)))
+
+
+def bucket_label(bucket: Bucket) -> str:
+    """What a bucket's collective moves, for its label: the bucket's label and its first
+    parameter (labels repeat where a size cap splits one module; names do not, so ranks that
+    issue two buckets in different orders are told apart where labels are compared)."""
+    return f"of bucket {bucket.label!r} (from {bucket.entries[0].name})"
 
 
 def reduce_scatter_bucket(
@@ -299,7 +307,7 @@ def reduce_scatter_bucket(
         out = flat.new_empty(bucket.shard_numel)
     return launch(streams, "reduce", out, (flat,),
                   lambda: comm.reduce_scatter(out, flat, op=op, async_op=True,
-                                              label=f"of bucket {bucket.label!r}"))
+                                              label=bucket_label(bucket)))
 
 
 class Collectives(NamedTuple):
@@ -326,7 +334,8 @@ def collectives(
     """Bind `gather` / `scatter_grads` to a layout and a communicator.
 
     A collective itself: every rank all-gathers the layout's fingerprint, and all raise if any
-    rank planned a different layout (the message lists the ranks), before any bucket moves.
+    rank planned a different layout (the message lists the ranks and what differs), before any
+    bucket moves.
 
     Args:
         layout: the layout every rank planned.
@@ -354,7 +363,7 @@ def collectives(
             f"the layout is planned for world_size={layout.world_size} but the comm has "
             f"world_size={comm.world_size}"
         )
-    fingerprint_check(comm, layout.fingerprint, "layout fingerprint")
+    fingerprint_check(comm, layout.fingerprint, "layout fingerprint", parts=layout.parts())
     if streams is None:
         streams = Streams.for_device(getattr(comm, "device", "cpu"))
     located = layout.locate()

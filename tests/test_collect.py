@@ -561,6 +561,8 @@ def test_sim_layout_mismatch_lists_differing_ranks() -> None:
         assert re.match(r"layout fingerprint differs across ranks: rank 0 has -?0x", message)
         assert re.search(r"but rank 2: -?0x\w+, rank 3: -?0x", message)
         assert "rank 1:" not in message
+        # what differs, as init says (the hashes alone said nothing: a probe)
+        assert "they differ in: how parameters are bucketed (buckets=)" in message
         assert f"this is rank {rank}" in message
     with pytest.raises(SimWorldError, match="rank 0 of 4") as info:
         SimWorld(n).run(cb.construct_body, layouts)
@@ -568,26 +570,30 @@ def test_sim_layout_mismatch_lists_differing_ranks() -> None:
     assert SimWorld(n).run(cb.construct_body, [layout] * n) == [2] * n
 
 
-def _gather_in_rank_order(comm: Any, orders: Sequence[Sequence[int]]) -> list[Tensor]:
-    params = {"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}  # same-size buckets
-    layout = fzero.plan(params, comm.world_size, buckets=[["a"], ["b"]])
+def _gather_in_rank_order(comm: Any, orders: Sequence[Sequence[int]],
+                          buckets: Any = (("a",), ("b",))) -> list[Tensor]:
+    params = {"fc.a": torch.full((4,), 1.0), "fc.b": torch.full((4,), 2.0)}  # same sizes
+    layout = fzero.plan(params, comm.world_size, buckets=buckets)
     gather_async = collectives(layout, comm).gather_async
     shards = fzero.shard(params, layout, comm.rank)
     return [gather_async(shards, index).wait() for index in orders[comm.rank]]
 
 
-def test_sim_same_size_buckets_gathered_in_different_orders_raise() -> None:
+@pytest.mark.parametrize("buckets", [[["fc.a"], ["fc.b"]], 4], ids=["lists", "cap"])
+def test_sim_same_size_buckets_gathered_in_different_orders_raise(buckets: Any) -> None:
     """Rank 0 gathers bucket 0 then 1, rank 1 the reverse: the calls have equal sizes and
     dtypes, so they paired and each rank got the other bucket's values in its first gather,
-    with no error. SimWorld now compares what each call moves (its label) too."""
+    with no error. SimWorld now compares what each call moves (its label) too, which names
+    the bucket's first parameter: a size cap that splits one module labels both halves
+    alike ('fc'), and those paired silently still (a probe)."""
     assert [[t.tolist() for t in r] for r in SimWorld(2).run(
-        _gather_in_rank_order, [[0, 1], [0, 1]])] == [[[1.0] * 4, [2.0] * 4]] * 2
+        _gather_in_rank_order, [[0, 1], [0, 1]], buckets)] == [[[1.0] * 4, [2.0] * 4]] * 2
     with pytest.raises(SimWorldError) as info:
-        SimWorld(2).run(_gather_in_rank_order, [[0, 1], [1, 0]])
+        SimWorld(2).run(_gather_in_rank_order, [[0, 1], [1, 0]], buckets)
     message = str(info.value.__cause__)
     assert re.search(r"collective #\d+ differs across ranks: rank \d called all_gather\("
-                     r"label=\"of bucket 'bucket\d'\"", message), message
-    assert "'bucket0'" in message and "'bucket1'" in message
+                     r"label=\"of bucket '[\w.]+' \(from fc\.[ab]\)\"", message), message
+    assert "(from fc.a)" in message and "(from fc.b)" in message
 
 
 @pytest.mark.parametrize(
