@@ -350,8 +350,9 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
         return not (in_memory(a) or in_memory(b))
     if a.device != b.device:
         return False
-    return (a.stride() == b.stride() and a.data_ptr() == b.data_ptr()) or torch.equal(
-        bits(a), bits(b))
+    same_view = (a.is_conj(), a.is_neg()) == (b.is_conj(), b.is_neg())  # (else other values)
+    return (same_view and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()) or (
+        torch.equal(bits(a.resolve_conj().resolve_neg()), bits(b.resolve_conj().resolve_neg())))
 
 
 def _check_flat(flat: torch.Tensor, bucket: Bucket, what: str) -> None:

@@ -315,16 +315,26 @@ class ShardLayout:
                 f"layout version {doc.get('version')!r} is not supported by this fzero "
                 f"(it reads version {LAYOUT_VERSION}); re-plan the layout or upgrade fzero"
             )
-        world_size = doc["world_size"]
-        buckets = []
-        for raw in doc["buckets"]:
-            dtype = raw["dtype"]
-            _parse_dtype(dtype)
-            entries = tuple(
-                Entry(name, tuple(shape), dtype, offset, tuple(aliases))
-                for name, shape, offset, aliases in raw["entries"]
-            )
-            buckets.append(Bucket(raw["label"], entries, dtype, raw["trainable"], world_size))
+        try:
+            world_size = doc["world_size"]
+            _check_world_size(world_size)
+            buckets = []
+            for raw in doc["buckets"]:
+                dtype, trainable = raw["dtype"], raw["trainable"]
+                torch_dtype = _parse_dtype(dtype)
+                if not isinstance(trainable, bool):
+                    raise ValueError(f"bucket {raw['label']!r}: trainable must be true or "
+                                     f"false, got {trainable!r}")
+                if trainable and not (torch_dtype.is_floating_point or torch_dtype.is_complex):
+                    raise ValueError(f"bucket {raw['label']!r} is trainable but of dtype "
+                                     f"{dtype}")
+                entries = tuple(
+                    Entry(name, tuple(shape), dtype, offset, tuple(aliases))
+                    for name, shape, offset, aliases in raw["entries"]
+                )
+                buckets.append(Bucket(raw["label"], entries, dtype, trainable, world_size))
+        except (KeyError, TypeError, ValueError) as error:  # another writer's JSON, or edited
+            raise ValueError(f"malformed layout JSON: {type(error).__name__}: {error}") from error
         layout = cls(tuple(buckets), world_size)
         _check_contiguous(layout)
         return layout
@@ -461,11 +471,13 @@ def _tie_key(tensor: torch.Tensor) -> object:
     """What makes two names of a mapping one tensor: the same object, or the same elements in
     memory (a ``state_dict()`` or ``detach()`` makes a new tensor object per name of a tied
     weight; planned apart, the two would train apart). Meta and empty tensors have no elements
-    to share. (A module's parameters are tied by identity, as torch ties them.)"""
+    to share. (A module's parameters are tied by identity, as torch ties them.) A conjugate or
+    negative view of the same memory holds other values: not a tie (one was read as the other,
+    silently: a probe)."""
     if not in_memory(tensor) or tensor.numel() == 0:
         return id(tensor)
     return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(),
-            tensor.dtype)
+            tensor.dtype, tensor.is_conj(), tensor.is_neg())
 
 
 def first_overlap(
@@ -777,7 +789,7 @@ def _check_contiguous(layout: ShardLayout) -> None:
             if entry.offset != offset or any(d < 0 for d in entry.shape):
                 raise ValueError(f"layout entry {entry.name!r} has an inconsistent offset/shape")
             offset = entry.end
-            if names & set(entry.names):
+            if names & set(entry.names) or len(set(entry.names)) < len(entry.names):
                 raise ValueError(f"layout names parameter {entry.name!r} twice")
             names.update(entry.names)
 

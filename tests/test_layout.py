@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -474,3 +476,39 @@ def test_tree_spec_builds_aliases_as_the_same_tensor():
     )
     tensors = spec.build()
     assert tensors["a"] is tensors["b"]
+
+
+@pytest.mark.parametrize("view", [torch.Tensor.conj, torch._neg_view], ids=["conj", "neg"])
+def test_a_conjugate_or_negative_view_of_another_name_is_not_a_tie(view: Callable) -> None:
+    """Same memory, shape and strides, other values: `plan` took `z.conj()` for a tie of `z`
+    and every function returned `z`'s values under its name, silently (a probe). It raises,
+    as for any two names that share memory without being one tensor."""
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    with pytest.raises(ValueError, match="'a' and 'b' share memory but are not one tensor"):
+        fzero.plan({"a": z, "b": view(z)}, 2)
+
+
+def _edited_layout(edit: Callable[[dict], object]) -> str:
+    layout = fzero.plan({"a": torch.randn(3, requires_grad=True), "b": torch.randn(2, 2)}, 2,
+                        buckets=1)
+    doc = json.loads(layout.to_json())
+    edit(doc)
+    return json.dumps(doc)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d.update(world_size=0), "world_size must be an int >= 1, got world_size=0"),
+    (lambda d: d.update(world_size="2"), "world_size must be an int >= 1"),
+    (lambda d: d.update(world_size=True), "world_size must be an int >= 1"),
+    (lambda d: d["buckets"][1].update(trainable="no"), "trainable must be true or false"),
+    (lambda d: d["buckets"][0].update(dtype="int64"), "is trainable but of dtype int64"),
+    (lambda d: d["buckets"][0]["entries"][0].__setitem__(3, ["a"]), "names parameter 'a' twice"),
+    (lambda d: d.pop("buckets"), "malformed layout JSON: KeyError: 'buckets'"),
+], ids=["world 0", "world str", "world bool", "trainable str", "trainable int", "self alias",
+        "no buckets"])
+def test_from_json_refuses_a_layout_plan_cannot_make(edit: Callable[[dict], object],
+                                                     message: str) -> None:
+    """`from_json` took these (a probe): they failed later, far from the JSON (a division by
+    zero), or not at all (a truthy string read as trainable)."""
+    with pytest.raises(ValueError, match=message):
+        fzero.ShardLayout.from_json(_edited_layout(edit))
