@@ -45,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 import fzero
+from fzero.collect import all_gather_bucket
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -278,9 +279,12 @@ def check_roundtrip(
 
     Raises:
         AssertionError: naming the world size, policy, value kind and parameter that differ.
+        ValueError: empty `world_sizes` or `buckets` (nothing would be checked), or a world
+            size below 1.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"check_roundtrip needs an nn.Module, got {type(model).__name__}")
+    _check_grid("check_roundtrip", world_sizes=world_sizes, buckets=buckets)
     own = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
     if any(t.is_meta for t in own.values()):
         raise ValueError("check_roundtrip needs materialized parameters, not the meta device")
@@ -336,6 +340,23 @@ def _gather_rank(comm: Any, layout: fzero.ShardLayout, shards_by_rank: list) -> 
     return {name: t.clone() for name, t in full.items()}
 
 
+def _check_grid(what: str, **grids: Sequence[Any]) -> None:
+    """Raise unless each of `grids` is non-empty (an empty one checks nothing and passed) and
+    its world sizes are ints >= 1."""
+    for name, values in grids.items():
+        if not len(values):
+            raise ValueError(f"{what}: {name} is empty: nothing would be checked")
+    for n in grids.get("world_sizes", ()):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{what}: world sizes must be ints >= 1, got {n!r}")
+
+
+def _widened(tensor: Tensor) -> Tensor:
+    """`tensor` in the widest dtype of its kind, for differences (complex keeps its imaginary
+    part: ``.double()`` drops it)."""
+    return tensor.to(torch.complex128 if tensor.is_complex() else torch.float64)
+
+
 def _assert_same(got: dict[str, Tensor], want: dict[str, Tensor], where: str) -> None:
     missing = sorted(set(want) - set(got))
     if missing:
@@ -373,10 +394,15 @@ def check_step_parity(
     `fzero.make_train_step` on a `SimWorld` of N ranks per stage and N (rank r takes rows
     [r * B / N, (r + 1) * B / N) of every tensor), and in one process with the matching
     ``torch.optim`` optimizer on the whole batch. Losses (before each update), gradient norms
-    (before clipping: Adam's update hides a gradient off by a constant factor, the norm does
-    not) and the final parameters must agree within `rtol` / `atol`, the parameters must be
-    finite, and every rank must gather the same parameters.
+    (before clipping), the final parameters, the optimizer's moments (Adam's update hides
+    gradients off by a constant factor, its first moment does not) and the buffers must agree
+    within `rtol` / `atol`, the parameters must be finite, and every rank must gather the same
+    parameters.
     Weight decay applies to every trainable parameter, as in a single torch param group.
+    A model whose forward depends on the batch as a whole (BatchNorm in train mode: each rank
+    normalizes its own rows, as under DDP) matches the one-process reference at N = 1 only,
+    and one that draws random numbers (dropout in train mode) not at all: check those in
+    eval mode, or at ``world_sizes=(1,)``.
 
     Args:
         model: the module (not modified); parameters with ``requires_grad=False`` stay frozen.
@@ -398,13 +424,15 @@ def check_step_parity(
 
     Raises:
         AssertionError: naming the stage, world size, step or parameter that differs.
-        ValueError: an unknown optimizer, or a batch size not divisible by a world size.
+        ValueError: an unknown optimizer, a batch size not divisible by a world size, or
+            empty `stages` or `world_sizes` (nothing would be checked).
     """
     name, kwargs = optimizer
     if name not in _OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {name!r}")
     if not batches:
         raise ValueError("check_step_parity needs at least one global batch")
+    _check_grid("check_step_parity", stages=stages, world_sizes=world_sizes)
     batches = [_to_float64(b) for b in batches]
     for n in world_sizes:
         for i, batch in enumerate(batches):
@@ -412,8 +440,8 @@ def check_step_parity(
             if rows % n:
                 raise ValueError(f"batch {i} has {rows} rows, not divisible by world size {n}")
     model = copy.deepcopy(model).double()
-    want_losses, want_norms, want = _reference(model, loss_fn, batches, _OPTIMIZERS[name][1],
-                                               kwargs, clip_norm)
+    want_losses, want_norms, want, want_moments, want_buffers = _reference(
+        model, loss_fn, batches, _OPTIMIZERS[name][1], kwargs, clip_norm)
     errors = {}
     for stage in stages:
         for n in world_sizes:
@@ -421,7 +449,7 @@ def check_step_parity(
                 _train_rank, model, loss_fn, batches, stage, name, kwargs, clip_norm
             )
             where = f"stage {stage}, N={n}"
-            for rank, (losses, norms, params) in enumerate(results):
+            for rank, (losses, norms, params, _, _) in enumerate(results):
                 for what, values, expected in (("loss", losses, want_losses),
                                                ("gradient norm", norms, want_norms)):
                     for step, (got, exp) in enumerate(zip(values, expected, strict=True), 1):
@@ -432,6 +460,9 @@ def check_step_parity(
                             )
                 if rank:
                     _assert_same(params, results[0][2], f"{where}: rank {rank} vs rank 0")
+            # (moments first: a factor on the gradients shows there, not in Adam's update)
+            _compare_state(results[0][3], want_moments, "optimizer moment", rtol, atol, where)
+            _compare_state(results[0][4], want_buffers, "buffer", rtol, atol, where)
             errors[(stage, n)] = _compare_params(results[0][2], want, rtol, atol, where)
     return errors
 
@@ -465,7 +496,7 @@ def _decay_all(name: str, shape: tuple[int, ...]) -> bool:
 def _train_rank(
     comm: Any, model: nn.Module, loss_fn: Callable, batches: list, stage: int, name: str,
     kwargs: dict[str, Any], clip_norm: float | None,
-) -> tuple[list[float], list[float], dict[str, Tensor]]:
+) -> tuple[list[float], list[float], dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
     optimizer = _OPTIMIZERS[name][0](**kwargs)
     state = fzero.init(model, stage=stage, optimizer=optimizer, comm=comm,
                        master_dtype=torch.float64)
@@ -475,14 +506,31 @@ def _train_rank(
         state, metrics = step(state, _rank_rows(batch, comm.rank, comm.world_size))
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
-    return losses, norms, fzero.full_params(state)
+    buffers = {n: b.clone() for n, b in state.buffers.items()}
+    return losses, norms, fzero.full_params(state), _full_moments(state), buffers
+
+
+def _full_moments(state: fzero.ShardState) -> dict[str, Tensor]:
+    """Every optimizer moment gathered, as ``"<moment> of <parameter>"`` (each name of a tie)."""
+    out = {}
+    for moment, values in state.moments.items():
+        for bucket, value in zip(state.layout.buckets, values, strict=True):
+            if value is None:  # a frozen bucket
+                continue
+            flat = value if state.stage == 0 else all_gather_bucket(
+                state.config.comm, bucket, value.contiguous()).wait()
+            for entry in bucket.entries:
+                view = flat[entry.offset : entry.end].view(entry.shape).clone()
+                out.update({f"{moment} of {name}": view for name in entry.names})
+    return out
 
 
 def _reference(
     model: nn.Module, loss_fn: Callable, batches: list, factory: Callable, kwargs: dict,
     clip_norm: float | None,
 ) -> tuple[list[float], list[float], dict[str, Tensor]]:
-    """Losses, gradient norms (before clipping) and final parameters of one-process torch."""
+    """Losses, gradient norms (before clipping), final parameters, optimizer moments (as
+    `_full_moments` names them) and buffers of one-process torch."""
     model = copy.deepcopy(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = factory(trainable, **kwargs)
@@ -498,8 +546,32 @@ def _reference(
             nn.utils.clip_grad_norm_(trainable, clip_norm)
         opt.step()
         losses.append(loss.item())
-    params = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
-    return losses, norms, params
+    named = dict(model.named_parameters(remove_duplicate=False))
+    params = {n: p.detach() for n, p in named.items()}
+    moments = {f"{moment} of {n}": value for n, p in named.items()
+               for moment, value in opt.state.get(p, {}).items() if moment != "step"}
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
+    return losses, norms, params, moments, buffers
+
+
+def _compare_state(got: dict[str, Tensor], want: dict[str, Tensor], what: str, rtol: float,
+                   atol: float, where: str) -> None:
+    """Each of `want` (torch's) against `got` (fzero's) within ``atol + rtol * |want|``;
+    integers exactly."""
+    for name, value in want.items():
+        if name not in got:
+            raise AssertionError(f"{where}: {what} {name!r} of torch.optim's run is missing "
+                                 f"from fzero's state")
+        mine = got[name]
+        if not value.is_floating_point():
+            if not torch.equal(mine, value):
+                raise AssertionError(f"{where}: {what} {name!r} is {mine.tolist()}, torch.optim "
+                                     f"gives {value.tolist()}")
+            continue
+        diff = (_widened(mine) - _widened(value)).abs()
+        if diff.numel() and bool((diff > atol + rtol * _widened(value).abs()).any()):
+            raise AssertionError(f"{where}: {what} {name!r} differs from torch.optim's by up to "
+                                 f"{float(diff.max()):.3g} (rtol={rtol}, atol={atol})")
 
 
 def _compare_params(
@@ -513,10 +585,10 @@ def _compare_params(
         for whose, tensor in (("fzero's", got[name]), ("torch.optim's", value)):
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise AssertionError(f"{where}: {whose} parameter {name!r} is not finite")
-        diff = (got[name].double() - value.double()).abs()
+        diff = (_widened(got[name]) - _widened(value)).abs()
         if diff.numel() == 0:
             continue
-        if bool((diff > atol + rtol * value.double().abs()).any()):
+        if bool((diff > atol + rtol * _widened(value).abs()).any()):
             raise AssertionError(
                 f"{where}: parameter {name!r} differs from torch.optim by up to "
                 f"{float(diff.max()):.3g} (rtol={rtol}, atol={atol})"

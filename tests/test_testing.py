@@ -3,6 +3,9 @@ the strategies draw what they promise."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,7 +147,7 @@ def test_check_step_parity_sees_a_deviation_of_one_part_in_ten_million(
     rank, key = what
 
     def deviating(comm, *args, **kwargs):
-        losses, norms, params = real(comm, *args, **kwargs)
+        losses, norms, params, moments, buffers = real(comm, *args, **kwargs)
         if rank is None or comm.rank == rank:  # None: every rank alike
             if where == "params":
                 name = key or next(iter(params))
@@ -153,7 +156,7 @@ def test_check_step_parity_sees_a_deviation_of_one_part_in_ten_million(
                 norms = [*norms[:key], norms[key] * (1 + 1e-7)]
             else:
                 losses = [*losses[:key], losses[key] * (1 + 1e-7)]
-        return losses, norms, params
+        return losses, norms, params, moments, buffers
 
     monkeypatch.setattr(testing, "_train_rank", deviating)
     assert list(dict(tiny_gpt().named_parameters(remove_duplicate=False)))[-1] == LAST
@@ -205,8 +208,8 @@ def test_check_step_parity_sees_gradients_n_times_too_large_under_adam(
     real = testing._train_rank
 
     def doubled_norms(comm, *args, **kwargs):  # as a summing reduction reports at N = 2
-        losses, norms, params = real(comm, *args, **kwargs)
-        return losses, [2 * n for n in norms], params
+        losses, norms, params, moments, buffers = real(comm, *args, **kwargs)
+        return losses, [2 * n for n in norms], params, moments, buffers
 
     monkeypatch.setattr(testing, "_train_rank", doubled_norms)
     with pytest.raises(AssertionError, match=r"stage 2, N=2, rank 0: gradient norm of step 1"):
@@ -221,12 +224,69 @@ def test_check_step_parity_sees_nan_parameters(monkeypatch: pytest.MonkeyPatch) 
     real = testing._train_rank
 
     def nan_params(comm, *args, **kwargs):
-        losses, norms, params = real(comm, *args, **kwargs)
-        return losses, norms, {n: torch.full_like(p, torch.nan) for n, p in params.items()}
+        losses, norms, params, moments, buffers = real(comm, *args, **kwargs)
+        nan = {n: torch.full_like(p, torch.nan) for n, p in params.items()}
+        return losses, norms, nan, moments, buffers
 
     monkeypatch.setattr(testing, "_train_rank", nan_params)
     with pytest.raises(AssertionError, match=r"stage 1, N=1: fzero's parameter .* is not finite"):
         check_step_parity(tiny_gpt(), loss_fn, gpt_batches(1), stages=(1,), world_sizes=(1,))
+
+
+def test_check_step_parity_sees_the_optimizer_given_gradients_n_times_too_large(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A factor between the gradient norm and the optimizer (every gradient doubled as the
+    update reads it) passed with the default AdamW: its update is blind to the factor and
+    the norm was right (a probe). The first moment, compared with torch's, shows it."""
+    from fzero import step
+
+    real = step.apply_update
+
+    def doubled(optimizer, grads, *args, **kwargs):
+        return real(optimizer, [g * 2 for g in grads], *args, **kwargs)
+
+    def large_loss(call, batch):  # gradients far above eps: the update ignores their scale
+        return loss_fn(call, batch) * 1e6
+
+    monkeypatch.setattr(step, "apply_update", doubled)
+    with pytest.raises(AssertionError, match=r"stage 2, N=2: optimizer moment 'exp_avg of "):
+        check_step_parity(tiny_gpt(), large_loss, gpt_batches(1), stages=(2,),
+                          world_sizes=(2,))
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.lin, self.norm = torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x))
+
+
+def _normed_loss(call: Callable[..., torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
+    return call(batch).pow(2).mean()
+
+
+def test_check_step_parity_compares_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffers (BatchNorm's running statistics) were never compared: a step that kept the
+    old ones passed (a probe). Equal buffers pass; a state that keeps them raises."""
+    batches = [torch.randn(8, 3, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    check_step_parity(_Normed(), _normed_loss, batches, stages=(0, 3), world_sizes=(1,))
+    from fzero import testing
+
+    real = testing._train_rank
+
+    def stale_buffers(comm, *args, **kwargs):
+        losses, norms, params, moments, buffers = real(comm, *args, **kwargs)
+        return losses, norms, params, moments, {n: torch.zeros_like(b) for n, b in
+                                                buffers.items()}
+
+    monkeypatch.setattr(testing, "_train_rank", stale_buffers)
+    with pytest.raises(AssertionError, match=r"stage 0, N=1: buffer 'norm.running_mean'"):
+        check_step_parity(_Normed(), _normed_loss, batches, stages=(0,), world_sizes=(1,))
 
 
 def test_check_roundtrip_sees_padding_that_is_not_zero(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -253,3 +313,54 @@ def test_check_roundtrip_takes_every_dtype_fzero_shards(dtype: torch.dtype) -> N
     model = torch.nn.Linear(3, 5)
     model.weight = torch.nn.Parameter(torch.zeros(5, 3).to(dtype), requires_grad=False)
     assert check_roundtrip(model, world_sizes=(1, 2), buckets=(None,)) == 2
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: check_step_parity(tiny_gpt(), loss_fn, gpt_batches(1), stages=()),
+     "check_step_parity: stages is empty"),
+    (lambda: check_step_parity(tiny_gpt(), loss_fn, gpt_batches(1), world_sizes=()),
+     "check_step_parity: world_sizes is empty"),
+    (lambda: check_step_parity(tiny_gpt(), loss_fn, gpt_batches(1), world_sizes=(0,)),
+     "world sizes must be ints >= 1, got 0"),
+    (lambda: check_roundtrip(tiny_gpt(), world_sizes=()), "check_roundtrip: world_sizes is"),
+    (lambda: check_roundtrip(tiny_gpt(), buckets=()), "check_roundtrip: buckets is empty"),
+], ids=["no stages", "no world sizes", "world size 0", "roundtrip: no world sizes",
+        "roundtrip: no policies"])
+def test_the_checks_refuse_a_grid_that_checks_nothing(call: Callable[[], Any],
+                                                      message: str) -> None:
+    """An empty grid checked nothing and passed; a world size 0 divided by zero (a probe)."""
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_check_step_parity_compares_the_imaginary_part_of_complex_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Differences were taken after ``.double()``, which drops the imaginary part: a frozen
+    complex parameter gathered conjugated passed (a probe)."""
+    from fzero import testing
+
+    class WithPhase(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 1)
+            self.phase = torch.nn.Parameter(torch.tensor([1 + 2j]), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.phase.abs()
+
+    batches = [torch.randn(4, 3, generator=torch.Generator().manual_seed(0))]
+
+    def loss(call: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return call(x).pow(2).mean()
+
+    check_step_parity(WithPhase(), loss, batches, stages=(0,), world_sizes=(1,))
+    real = testing._train_rank
+
+    def conjugated(comm, *args, **kwargs):
+        losses, norms, params, moments, buffers = real(comm, *args, **kwargs)
+        return losses, norms, {**params, "phase": params["phase"].conj()}, moments, buffers
+
+    monkeypatch.setattr(testing, "_train_rank", conjugated)
+    with pytest.raises(AssertionError, match=r"parameter 'phase' differs from torch.optim"):
+        check_step_parity(WithPhase(), loss, batches, stages=(0,), world_sizes=(1,))
