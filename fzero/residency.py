@@ -63,6 +63,7 @@ from typing import Any, NamedTuple, ParamSpec, TypeVar
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from fzero.collect import Pending, SideStreams, all_gather_bucket
 from fzero.comm import Comm
@@ -844,13 +845,19 @@ def unguarded(hook: Callable[_P, _R]) -> Callable[_P, _R]:
     calls (a ``.grad``, a ``.dtype``, a ``copy_``) would take a Python round trip through the
     mode, and they make most of a step's calls: 680 of 775 on the 1.8M-parameter GPT, 8% of its
     step time. Torch functions of tensor subclasses are dispatched straight to torch as well,
-    which the hooks' plain flat buffers and leaves never need.
+    which the hooks' plain flat buffers and leaves never need. The user's torch dispatch modes
+    are off too: selective activation checkpointing counts and caches the ops of its region
+    by their order, and fzero's own (a gather round's header, a gather's copies), which
+    recomputation issues differently from forward, made it raise (a probe).
     """
 
     @functools.wraps(hook)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         with torch._C.DisableTorchFunction():
-            return hook(*args, **kwargs)
+            if not torch._C._len_torch_dispatch_stack():
+                return hook(*args, **kwargs)
+            with _disable_current_modes():
+                return hook(*args, **kwargs)
 
     return run
 

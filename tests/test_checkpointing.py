@@ -444,3 +444,55 @@ def test_stage3_stop_gradient_alias_taken_before_its_module_in_a_region_is_exact
                                 opt=("sgd", gb.SGD),
                                 buckets=lambda m: isinstance(m, torch.nn.Linear))
     gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, batches, gb.torch_sgd))
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_SAVE
+
+
+class _Selective(torch.nn.Module):
+    """A region checkpointed selectively (``context_fn``: torch's documented policy)."""
+
+    def __init__(self, policy: Any) -> None:
+        super().__init__()
+        with gb.seeded(6):
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.policy = policy
+        self.double()
+
+    def region(self, t: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(t)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        context = functools.partial(create_selective_checkpoint_contexts, self.policy)
+        return torch.utils.checkpoint.checkpoint(self.region, self.a(x), use_reentrant=False,
+                                                 context_fn=context)
+
+
+@pytest.mark.parametrize("policy", [_save_matmuls, _save_all], ids=["matmuls", "all"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_stage3_selective_checkpointing_is_exact(policy: Any, world: int) -> None:
+    """Selective checkpointing counts and caches its region's ops by their order under a torch
+    dispatch mode; fzero's own ops in its hooks (a gather round's header, a gather's copies),
+    which recomputation issues differently from forward, ran under that mode and it raised,
+    at every world size (a probe). fzero's hooks run with the user's dispatch modes off."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 4, generator=gen, dtype=torch.float64),
+                torch.randn(4, 4, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    model = _Selective(policy)
+    out = fzero.SimWorld(world).run(gb.train, model, gb.mse_loss, batches, stage=3,
+                                    opt=("sgd", gb.SGD),
+                                    buckets=lambda m: isinstance(m, torch.nn.Linear))
+    gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, batches, gb.torch_sgd))
