@@ -219,11 +219,16 @@ def init_distributed(
             )
     except dist.DistStoreError as exc:  # the rendezvous timed out: not every rank came
         raise RuntimeError(_rendezvous_help(env, timeout)) from exc
+    except dist.DistNetworkError as exc:  # this rank could not reach or open the store
+        raise RuntimeError(_rendezvous_help(env, timeout, exc)) from exc
     return TorchComm(transport=transport)
 
 
-def _rendezvous_help(env: LaunchEnv, timeout: timedelta) -> str:
-    """Why a rendezvous could time out, for this launcher."""
+def _rendezvous_help(env: LaunchEnv, timeout: timedelta,
+                     network: Exception | None = None) -> str:
+    """Why a rendezvous could time out, for this launcher; `network`: the error of a rank
+    that could not connect to the store (or, rank 0, open it), which a rank other than 0 got
+    as torch's bare socket timeout (a probe)."""
     started = (
         "a Slurm batch script runs once; its processes start with `srun` (one task per rank: "
         "`srun python train.py` inside `sbatch --ntasks N`), and run without srun it is one "
@@ -232,10 +237,18 @@ def _rendezvous_help(env: LaunchEnv, timeout: timedelta) -> str:
         "every process must be started (torchrun --nnodes N on every node, with the same "
         "--rdzv-endpoint) and reach the rendezvous host"
     )
+    where = f"({env.master_addr}:{env.master_port}, launcher {env.launcher})"
+    if network is not None:
+        first = str(network).strip().splitlines()[0] if str(network).strip() else ""
+        return (
+            f"rank {env.rank} of {env.world_size} could not connect to the rendezvous {where} "
+            f"({type(network).__name__}: {first}): the store is opened by rank 0 on that host "
+            f"and port; it must be started, reachable from this host, and the only program on "
+            f"that port (a port in use makes rank 0 fail at once); {started}"
+        )
     return (
         f"rank {env.rank} of {env.world_size} waited {timeout.total_seconds():g} s at the "
-        f"rendezvous ({env.master_addr}:{env.master_port}, launcher {env.launcher}) and not "
-        f"every rank arrived: {started}"
+        f"rendezvous {where} and not every rank arrived: {started}"
     )
 
 

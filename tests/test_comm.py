@@ -909,6 +909,27 @@ def test_a_rendezvous_nobody_else_joins_says_how_ranks_start(
     assert not dist.is_initialized()
 
 
+def test_a_rank_that_cannot_reach_the_rendezvous_is_told_so(
+    bare_env: pytest.MonkeyPatch
+) -> None:
+    """A rank other than 0 with no rank 0 to connect to got torch's bare DistNetworkError
+    (a client socket timeout and two C++ stack traces), not fzero's help (a probe)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once the socket closes
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        bare_env.setenv(name, value)
+    with pytest.raises(RuntimeError) as info:
+        init_distributed(backend="gloo", timeout=timedelta(seconds=1))
+    assert isinstance(info.value.__cause__, dist.DistNetworkError)
+    assert str(info.value).startswith(
+        f"rank 1 of 2 could not connect to the rendezvous (127.0.0.1:{port}, launcher "
+        f"torchrun) (DistNetworkError: ")
+    assert "the store is opened by rank 0 on that host and port" in str(info.value)
+    assert not dist.is_initialized()
+
+
 def test_init_distributed_names_missing_variable(bare_env: pytest.MonkeyPatch) -> None:
     bare_env.setenv("RANK", "0")
     with pytest.raises(ValueError, match="WORLD_SIZE is not set"):
