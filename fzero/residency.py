@@ -592,9 +592,11 @@ class Residency:
         module's buckets, which a complete gradient does not unpin until it fires (a stop-
         gradient ``self.w.detach()`` there is recomputed as an alias that an earlier node reads
         after ``w``'s gradient completes through its other use: a crash, a probe found). A
-        module whose inputs are leaves or need no gradient has no node to hook: its frozen
-        buckets' pins, and with `counted` all its pins, last until the phase ends (memory, not
-        the one-bucket bound; the same alias there crashed too)."""
+        module whose forward inputs need no gradient (or, outside recomputation, are leaves)
+        has no node to hook: its frozen buckets' pins last until the phase ends, and its
+        trainable ones end with their gradients (a stop-gradient alias it takes is kept by
+        `aliased`; counting it as awaiting held every such bucket to the end of backward, an
+        embedding looked up in each checkpointed block: a probe)."""
         # A leaf's hook cannot run inside torch.autograd.grad (torch refuses), which forward's
         # graph may meet (a penalty); a reentrant recomputation's inputs are leaves, and its
         # graph meets only the region's own torch.autograd.backward (a recomputed graph of a
@@ -605,10 +607,10 @@ class Residency:
             x for x in (*args, *kwargs.values())
             if isinstance(x, Tensor) and x.requires_grad and (leaves or x.grad_fn is not None)
         ]
-        if counted:  # (without such an input no hook can say when: the phase's end does)
-            self.awaiting[module] += 1
         if not inputs:
             return
+        if counted:
+            self.awaiting[module] += 1
 
         def done(_: Any) -> None:
             if counted and self.awaiting[module] > 0:

@@ -4,6 +4,8 @@ here fails on its mutant (named in brackets) and passes on fzero."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -233,6 +235,53 @@ def test_stage3_reentrant_recomputation_of_frozen_blocks_keeps_the_gathered_boun
     frozen, adapter = (32 * 32 + 3 * 32) * 8, 32 * 32 * 8
     for m in out["metrics"]:
         assert m["gathered_bytes_peak"] <= (prefetch + 2) * frozen + adapter, m
+
+
+class _EmbeddingPerBlock(nn.Module):
+    """Each block looks up an embedding of the ids inside a checkpointed region (per-block
+    position or type embeddings): a module whose inputs need no gradient."""
+
+    def __init__(self, blocks: int = 6, checkpointed: bool = True) -> None:
+        super().__init__()
+        with gb.seeded(0):
+            self.embs = nn.ModuleList(nn.Embedding(8, 8) for _ in range(blocks))
+            self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(blocks))
+        self.checkpointed = checkpointed
+        self.double()
+
+    def forward(self, x: Tensor, ids: Tensor) -> Tensor:
+        h = x
+        for emb, lin in zip(self.embs, self.lins, strict=True):
+            looked_up = (torch.utils.checkpoint.checkpoint(emb, ids, use_reentrant=False)
+                         if self.checkpointed else emb(ids))
+            h = torch.tanh(lin(h + looked_up))
+        return h
+
+
+def _embedding_loss(call: Callable[..., Tensor], batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    x, ids, y = batch
+    return torch.nn.functional.mse_loss(call(x, ids), y)
+
+
+def test_stage3_checkpointed_modules_without_gradient_inputs_keep_the_gathered_bound() -> None:
+    """A module in a checkpointed region whose inputs need no gradient has no hook to end its
+    pins; counting it as awaiting its backward kept each such bucket gathered to the end of
+    backward (six embeddings: seven buckets at once, against two without checkpointing: a
+    probe). Its trainable bucket is released when its gradient is complete."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=gen, dtype=torch.float64),
+                torch.randint(0, 8, (4,), generator=gen),
+                torch.randn(4, 8, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    peaks = {}
+    for checkpointed in (False, True):
+        model = _EmbeddingPerBlock(checkpointed=checkpointed)
+        out = fzero.SimWorld(1).run(
+            gb.train, model, _embedding_loss, batches, stage=3, opt=("sgd", gb.SGD),
+            step_kwargs={"prefetch": 0},
+            buckets=lambda m: isinstance(m, (nn.Linear, nn.Embedding)))[0]
+        gb.assert_parity(out, gb.reference(model, _embedding_loss, batches, gb.torch_sgd))
+        peaks[checkpointed] = max(m["gathered_bytes_peak"] for m in out["metrics"])
+    assert peaks[True] <= peaks[False], peaks
 
 
 class Gate(nn.Module):
