@@ -568,10 +568,19 @@ def _compare_state(got: dict[str, Tensor], want: dict[str, Tensor], what: str, r
                 raise AssertionError(f"{where}: {what} {name!r} is {mine.tolist()}, torch.optim "
                                      f"gives {value.tolist()}")
             continue
-        diff = (_widened(mine) - _widened(value)).abs()
-        if diff.numel() and bool((diff > atol + rtol * _widened(value).abs()).any()):
+        largest, beyond = _difference(mine, value, rtol, atol)
+        if beyond:
             raise AssertionError(f"{where}: {what} {name!r} differs from torch.optim's by up to "
-                                 f"{float(diff.max()):.3g} (rtol={rtol}, atol={atol})")
+                                 f"{largest:.3g} (rtol={rtol}, atol={atol})")
+
+
+def _difference(got: Tensor, want: Tensor, rtol: float, atol: float) -> tuple[float, bool]:
+    """The largest absolute difference (0 for empty tensors), and whether some element's
+    exceeds ``atol + rtol * |want|``."""
+    diff = (_widened(got) - _widened(want)).abs()
+    if diff.numel() == 0:
+        return 0.0, False
+    return float(diff.max()), bool((diff > atol + rtol * _widened(want).abs()).any())
 
 
 def _compare_params(
@@ -585,13 +594,11 @@ def _compare_params(
         for whose, tensor in (("fzero's", got[name]), ("torch.optim's", value)):
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise AssertionError(f"{where}: {whose} parameter {name!r} is not finite")
-        diff = (_widened(got[name]) - _widened(value)).abs()
-        if diff.numel() == 0:
-            continue
-        if bool((diff > atol + rtol * _widened(value).abs()).any()):
+        largest, beyond = _difference(got[name], value, rtol, atol)
+        if beyond:
             raise AssertionError(
                 f"{where}: parameter {name!r} differs from torch.optim by up to "
-                f"{float(diff.max()):.3g} (rtol={rtol}, atol={atol})"
+                f"{largest:.3g} (rtol={rtol}, atol={atol})"
             )
-        worst = max(worst, float(diff.max()))
+        worst = max(worst, largest)
     return worst
