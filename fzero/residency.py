@@ -32,9 +32,13 @@ its own business (releasing needs no collective):
   run (`awaiting`: a recomputed stop-gradient alias may not feed the gradient). Only the
   holder's own pins end: modules sharing a bucket keep theirs. A stop-gradient alias
   (``detach``, ``.data``) taken during recomputation keeps its bucket to the phase's end
-  (`aliased`): nothing says when the nodes that read it have run. ``torch.autograd.grad`` and
-  ``torch.autograd.backward`` called inside the guarded phases (a penalty, a reentrant
-  checkpoint's backward) run with the guard on: torch would run them with the mode off.
+  (`aliased`): nothing says when the nodes that read it have run. Any other read of a
+  parameter during recomputation (by a module or not) keeps its bucket until forward's nodes
+  that made the same read inside a checkpointed region have run (`await_reads`): they read
+  the recomputed tensors, which checkpointing saves without fzero's pack hook.
+  ``torch.autograd.grad`` and ``torch.autograd.backward`` called inside the guarded phases (a
+  penalty, a reentrant checkpoint's backward) run with the guard on: torch would run them
+  with the mode off.
 
 Any other read of a parameter (a parent reading a child's weight, a layer whose checkpointed
 body reads its own weight during recomputation, as transformers 5's `GradientCheckpointingLayer`
@@ -252,6 +256,11 @@ class Residency:
         # (`_unpin_after_backward`): a complete gradient keeps their pins (see
         # `on_grads_complete`). Forward's hooks fire in backward: cleared when a step starts.
         self.awaiting: collections.Counter[nn.Module] = collections.Counter()
+        # Per bucket, the nodes of forward's graph still to run whose torch function read one
+        # of its parameters inside a checkpointed region (`await_reads`): their recomputed
+        # saved tensors read the bucket. Counted by forward, so cleared when forward begins.
+        self.read_nodes: collections.Counter[int] = collections.Counter()
+        self.forwards = 0  # forwards begun: a node hook of an earlier graph counts nothing
         self._own_pack: int | None = None  # id of the pack hook `saved_tensors_hooks` made
         self.stack: list[nn.Module] = []
         self.live_bytes = 0
@@ -277,6 +286,8 @@ class Residency:
         assert phase in ("forward", "backward"), phase
         if phase == "forward":
             self.awaiting.clear()  # (an earlier micro-batch's: fired, or their graph is gone)
+            self.read_nodes.clear()
+            self.forwards += 1
         self.phase = phase
         self.sequence = self.order.forward if phase == "forward" else self.order.backward
         self.issued = 0  # positions of the sequence issued so far
@@ -578,6 +589,16 @@ class Residency:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         return top is not None and id(top[0]) != self._own_pack  # (alive while it is on top)
 
+    def _region_graph(self) -> bool:
+        """Whether the torch functions run now build a graph that backward runs, inside a
+        non-reentrant checkpointed region: the region's forward (a step's forward, or a
+        reentrant region's recomputation, whose graph its own backward runs), not the
+        region's recomputation (whose graph is never differentiated: the forward's graph
+        reads the tensors it saves)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return (top is not None and id(top[0]) != self._own_pack
+                and not _qualname(top[1]).startswith(_RECOMPUTATION_HOOKS))
+
     def _unpin_after_backward(self, module: nn.Module, buckets: list[int], args: Any,
                               kwargs: Any, *, counted: bool = False) -> None:
         """Once backward has computed the gradients of `module`'s inputs, the module is done
@@ -621,11 +642,16 @@ class Residency:
                     pins[module] -= 1
                     if not pins[module]:
                         del pins[module]
-            if self.phase == "backward":
-                self._evict({*([self.current] if self.current is not None else []),
-                             *self._ahead()})
+            self._release_unheld()
 
         torch.autograd.graph.register_multi_grad_hook(inputs, unguarded(done), mode="all")
+
+    def _release_unheld(self) -> None:
+        """In backward, after pins ended: release every bucket nothing holds (not pinned, not
+        the one backward works on, not a position ahead)."""
+        if self.phase == "backward":
+            self._evict({*([self.current] if self.current is not None else []),
+                         *self._ahead()})
 
     # -- backward: saved tensors and completed gradients --
 
@@ -658,7 +684,7 @@ class Residency:
         alias the bucket without feeding its gradient."""
         pins = self.pinned[index]
         for holder in [h for h in pins if h is None or (
-                h is not _ALIASED and not self.awaiting[h])]:
+                h not in _UNTIL_READ and not self.awaiting[h])]:
             del pins[holder]
         if self.phase == "backward":
             keep = self._ahead()
@@ -678,9 +704,36 @@ class Residency:
         """A torch function is about to read a parameter of bucket `index` outside the hooks
         (a use like any other: of a bucket not gathered yet, in flight, or kept for this phase's
         first position and not used since)."""
+        if self.recomputing and self.read_nodes[index]:
+            self.pinned[index][_READ] = 1
         if index not in self.resident or index in self.inflight or index in self.fresh:
             self.need(index, evict=False, pin=self.recomputing,
                       holder=self.stack[-1] if self.stack else None)
+
+    def await_reads(self, buckets: Collection[int], node: Any) -> None:
+        """Forward, inside a checkpointed region: the torch function whose backward is `node`
+        read parameters of `buckets`. Its recomputation reads them again, and the recomputed
+        tensors it saves alias the buckets without a pack hook of fzero's (checkpointing's own
+        hooks keep them) until `node` has run, whether or not a module hook holds them
+        (``t @ self.lin.weight`` in a region, with ``lin`` gathered by its own use: a complete
+        gradient of another bucket released it under the saved tensor, a segfault or an
+        error, a probe found). So a read during recomputation pins the bucket (`read`) until
+        every such node of the bucket has run (or the phase ends: a node that never runs)."""
+        forwards = self.forwards
+        for index in buckets:
+            self.read_nodes[index] += 1
+
+        def ran(*_: Any) -> None:
+            if self.forwards != forwards:  # an earlier forward's graph
+                return
+            for index in buckets:
+                self.read_nodes[index] -= 1
+                if self.read_nodes[index] <= 0:
+                    del self.read_nodes[index]
+                    self.pinned[index].pop(_READ, None)
+            self._release_unheld()
+
+        node.register_hook(unguarded(ran))
 
     def aliased(self, index: int) -> None:
         """A stop-gradient alias of a parameter of bucket `index` (``w.detach()``, ``w.data``)
@@ -750,6 +803,17 @@ class Residency:
 _ALIASED = object()
 """The holder of `Residency.aliased`'s pins, which only the phase's end drops."""
 
+_READ = object()
+"""The holder of `Residency.read`'s pins during recomputation, which the nodes that read the
+bucket drop when they have run (`Residency.await_reads`)."""
+
+_RECOMPUTATION_HOOKS = "_recomputation_hook."
+"""How the qualified names of torch.utils.checkpoint's hooks for a non-reentrant region's
+recomputation begin."""
+
+_UNTIL_READ = (_ALIASED, _READ)
+"""Holders whose pins a complete gradient does not drop: their tensors do not feed it."""
+
 _METADATA = frozenset({
     "__set__", "size", "dim", "numel", "nelement", "stride", "storage_offset",
     "is_contiguous", "untyped_storage", "data_ptr", "element_size", "is_floating_point",
@@ -804,6 +868,7 @@ class _Guard(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         residency = self.residency
+        read: list[int] = []
         if _reads_data(func):
             bucket_of = residency.bucket_of
             for value in (*args, *kwargs.values()) if kwargs else args:
@@ -817,6 +882,7 @@ class _Guard(TorchFunctionMode):
                             index = bucket_of.get(id(base))
                     if index is not None:
                         residency.read(index)
+                        read.append(index)
                         if _detaches(func):
                             residency.aliased(index)
                         if _takes_data(func):
@@ -828,11 +894,29 @@ class _Guard(TorchFunctionMode):
                 return _grad_under_guard(self, args, kwargs)
             if func is torch.autograd.backward and residency.phase == "backward":
                 return _backward_under_guard(self, args, kwargs)
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
         except RuntimeError as error:
             if _released_read(error):
                 raise residency.explain(error, self.model) from error
             raise
+        if read and residency._region_graph():
+            node = _node_of(result)
+            if node is not None:
+                residency.await_reads(read, node)
+        return result
+
+
+def _qualname(function: Any) -> str:
+    return getattr(function, "__qualname__", "")
+
+
+def _node_of(result: Any) -> Any:
+    """The autograd node of a torch function's `result` (a tensor, or a sequence whose tensors
+    share it), or None."""
+    for item in result if isinstance(result, list | tuple) else (result,):
+        if isinstance(item, Tensor):
+            return item.grad_fn
+    return None
 
 
 _P = ParamSpec("_P")

@@ -199,6 +199,67 @@ class InnerCheckpointed(nn.Module):
         return self.out(h)
 
 
+class RegionReadsChild(nn.Module):
+    """A non-reentrant region that reads a child's weight directly (``t @ self.lin.weight``, or
+    elementwise, which torch does not bounds-check) and calls another module; `lin` also runs
+    after the region, so its bucket is gathered when the region is recomputed. `source` is the
+    region's input: a leaf cut from the graph, an input computed by `first`, or the raw batch."""
+
+    def __init__(self, read: str, source: str, seed: int = 0, width: int = 4):
+        super().__init__()
+        with seeded(seed):
+            self.norm = nn.LayerNorm(width)
+            self.first = nn.Linear(width, width)
+            self.lin = nn.Linear(width, width)
+        self.read, self.source = read, source
+        self.double()
+
+    def region(self, t: Tensor) -> Tensor:
+        if self.read == "elementwise":
+            return self.norm((t.unsqueeze(1) * self.lin.weight).sum(-1))
+        return self.norm(t @ self.lin.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = {"leaf": lambda: x.detach().requires_grad_(), "computed": lambda: self.first(x),
+             "raw": lambda: x}[self.source]()
+        h = x + checkpoint(self.region, t, use_reentrant=False)
+        h = self.lin(h)
+        return self.lin(h) + self.first(h)
+
+
+class ParentReadsChild(nn.Module):
+    """A parent reading its child's weight directly besides calling the child."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.child = nn.Linear(width, width)
+        self.gain = nn.Parameter(torch.randn(width) * 0.3 + 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.child(x) * self.gain + 0.3 * (x @ self.child.weight.T)
+
+
+class NestedReentrantMisuse(nn.Module):
+    """The README's reentrant misuse, nested: `p2` runs outside a reentrant region and inside
+    it, within a non-reentrant region nested in the reentrant one, beside a second reentrant
+    region nested too. Autograd runs more than one backward pass over `p2`'s and `p3`'s
+    parameters, which fzero refuses (`LATE_GRADIENT_HELP`)."""
+
+    def __init__(self, seed: int = 0, width: int = 4):
+        super().__init__()
+        with seeded(seed):
+            self.p2, self.p3 = ParentReadsChild(width), ParentReadsChild(width)
+            self.norm = nn.LayerNorm(width)
+        self.double()
+
+    def outer(self, t: Tensor) -> Tensor:
+        u = checkpoint(lambda s: self.p2(self.norm(s) + self.p3(s)), t, use_reentrant=False)
+        return u + checkpoint(self.p3, u.detach().requires_grad_(), use_reentrant=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return checkpoint(self.outer, torch.tanh(self.p2(x)), use_reentrant=True)
+
+
 class SharedInRegions(nn.Module):
     """`shared` runs in two regions checkpointed with ``use_reentrant=True`` when the batch's
     flag says so (each rank's own rows decide), plainly otherwise."""
@@ -651,6 +712,7 @@ def train_through_failure(
     stage: int,
     fail: dict[int, Any],
     buckets: Any = per_block,
+    step_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train on every batch; at step i a rank in ``fail[i]`` gets its batch transformed by
     ``fail[i][rank]`` (a module-level function that makes its loss_fn raise, or its batch
@@ -659,7 +721,7 @@ def train_through_failure(
     training continues from the same state."""
     state = fzero.init(model, stage=stage, optimizer=make_optimizer(("adamw", ADAMW)), comm=comm,
                        buckets=bucket_policy(model, buckets))
-    step = fzero.make_train_step(model, loss_fn)
+    step = fzero.make_train_step(model, loss_fn, **(step_kwargs or {}))
     losses, errors = [], {}
     for index, batch in enumerate(batches):
         local = rank_rows(batch, comm.rank, comm.world_size)

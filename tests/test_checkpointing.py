@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 import torch
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 import fzero
+from fzero import residency
 from fzero.buckets import LATE_GRADIENT_HELP
 from fzero.comm import ring_bytes
 
@@ -137,6 +139,65 @@ def test_checkpointed_body_reading_its_modules_own_parameter_below_stage3() -> N
     for stage in (0, 1, 2):
         gb.assert_parity(fzero.SimWorld(2).run(gb.train, model, gb.mse_loss, data,
                                                stage=stage)[0], want)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("source", ["leaf", "computed", "raw"])
+@pytest.mark.parametrize("read", ["matmul", "elementwise"])
+def test_stage3_region_reading_a_gathered_childs_weight(read: str, source: str,
+                                                        world: int) -> None:
+    """A region reads `lin.weight` directly while `lin`'s bucket is gathered for `lin`'s own
+    backward, so the read gathers nothing; the recomputed tensors saved from that weight are
+    read by forward's nodes after other buckets' gradients completed. Each such read keeps its
+    bucket until the node that reads it has run (before: torch's error for a matmul, a
+    segmentation fault for the elementwise read)."""
+    model = gb.RegionReadsChild(read, source)
+    data = gb.mse_batches(STEPS, rows=4, d_in=4, d_out=4)
+    want = gb.reference(model, gb.mse_loss, data)
+    for prefetch in (0, 1):
+        out = fzero.SimWorld(world).run(gb.train, model, gb.mse_loss, data, stage=3, buckets=8,
+                                        step_kwargs={"prefetch": prefetch})[0]
+        assert len(out["layout"].buckets) > 3
+        gb.assert_parity(out, want)
+
+
+def test_torch_recomputation_hooks_are_told_from_a_regions_forward() -> None:
+    """Stage 3 tells a non-reentrant region's forward (whose graph backward runs: its reads
+    keep their buckets until their nodes have run) from its recomputation (whose graph is never
+    run) by the qualified name of torch's recomputation hooks. Were torch to rename them,
+    recomputation's reads would hold their buckets to the end of backward."""
+    names = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        names.append(residency._qualname(top[1]))
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    checkpoint(region, x, use_reentrant=False).sum().backward()
+    assert len(names) == 2
+    assert not names[0].startswith(residency._RECOMPUTATION_HOOKS)
+    assert names[1].startswith(residency._RECOMPUTATION_HOOKS)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("buckets", [8, "alone"])
+def test_nested_reentrant_misuse_raises_the_documented_error(stage: int, buckets: Any) -> None:
+    """Nested regions, reentrant and not, reading parameters used outside them: every stage
+    raises the documented error (stage 3 with 8-element buckets crashed the process: a
+    non-reentrant region's recomputed tensors inside a reentrant region's backward read
+    released buckets)."""
+    model = gb.NestedReentrantMisuse()
+    policy = gb.each_parameter_alone(model) if buckets == "alone" else buckets
+    fixed = LATE_GRADIENT_HELP.split("{label!r}")[1][:60]
+    data = gb.mse_batches(2, rows=2, d_in=4, d_out=4)
+    for prefetch in (0, 2):
+        out = fzero.SimWorld(1).run(gb.train_through_failure, model, gb.mse_loss, data,
+                                    stage=stage, fail={}, buckets=policy,
+                                    step_kwargs={"prefetch": prefetch})[0]
+        error = out["errors"][0]
+        assert error["type"] == "RuntimeError" and fixed in error["message"], error
+        assert error["unchanged"]
 
 
 # ----------------------------------------------------------------------------------------------
