@@ -47,9 +47,11 @@ a torch function given a parameter of a released bucket first gathers that bucke
 like any other, so every rank's collectives still agree). A released bucket's storage has zero
 bytes and torch does not check every read of it: without the guard such a read would return
 garbage or crash. A view of a parameter (``w[0]``, ``w.T``) counts as the parameter: the guard
-finds it through its ``_base``. A read the guard cannot see (a detached alias, ``.detach()`` or
-``.data``, taken earlier and kept) raises `OutsideOwnerError` where torch notices the released
-storage, naming the module and the candidates, instead of torch's message. The mode
+finds it through its ``_base``, and so does a stop-gradient alias (``.detach()``, ``.data``) the
+step took (`FullBuffers.alias`; one taken in an earlier step raises `OutsideOwnerError`: at
+stages 0-2 it holds that step's values). A read the guard cannot see (an alias made outside
+torch functions: through NumPy, DLPack or ``Tensor.set_``) raises `OutsideOwnerError` where
+torch notices the released storage, naming the module and the candidates. The mode
 costs a Python round trip per torch call, so it is entered around the user's forward and
 backward only, and fzero's own hooks inside them (module hooks, saved-tensor hooks, the gradient
 hooks that launch reductions) run `unguarded`: they read parameters knowingly.
@@ -61,6 +63,7 @@ import collections
 import contextlib
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
@@ -164,6 +167,10 @@ class FullBuffers:
                           for leaf in leaves}
         self.nbytes = [f.numel() * f.element_size() for f in self.full]  # each, gathered
         self._storages = [flat.untyped_storage()._cdata for flat in self.full]
+        # Stop-gradient aliases of parameters (``w.detach()``, ``w.data``) taken in a step's
+        # forward or backward: id -> (bucket, the step that took it), while the alias lives.
+        self.aliases: dict[int, tuple[int, int]] = {}
+        self.steps = 0  # steps begun
 
     def replaced(self) -> list[str]:
         """The parameters whose leaf no longer views its bucket's buffer: forward replaced its
@@ -183,9 +190,38 @@ class FullBuffers:
 
     def begin(self) -> None:
         """Before a step: no leaf holds a gradient, whatever a failed step left there."""
+        self.steps += 1
         for leaves in self.leaves:
             for leaf in leaves:
                 leaf.grad = None
+
+    def alias(self, tensor: Tensor, index: int) -> None:
+        """`tensor` is a stop-gradient alias of a parameter of bucket `index`, taken in this
+        step: a later read of it gathers the bucket, as a read of the parameter does."""
+        key = id(tensor)
+        self.aliases[key] = (index, self.steps)
+        weakref.finalize(tensor, self.aliases.pop, key, None)
+
+    def alias_bucket(self, tensor: Tensor) -> int | None:
+        """The bucket whose memory `tensor` (or the tensor it views) aliases, when it is a
+        stop-gradient alias taken in this step; one taken in an earlier step raises (at stages
+        0-2 it keeps the values of that step, here they would be today's, or freed)."""
+        found = self.aliases.get(id(tensor))
+        if found is None:
+            base = tensor._base
+            if base is None or (found := self.aliases.get(id(base))) is None:
+                return None
+        index, step = found
+        if step != self.steps:
+            offset = tensor.storage_offset()
+            names = [entry.name for entry in self.layout.buckets[index].entries
+                     if entry.offset <= offset < entry.end] or ["?"]
+            raise OutsideOwnerError(
+                f"stage 3: a stop-gradient alias (.detach() or .data) of parameter "
+                f"{names[0]!r}, taken in an earlier step, was read in this one: it no longer "
+                f"holds that step's values (stages 0-2 read the values it was taken with). "
+                f"Take the alias again where you read it.")
+        return index
 
 
 class Residency:
@@ -776,8 +812,9 @@ class Residency:
                 f"torch.autograd.graph.saved_tensors_hooks context of your own that keeps the "
                 f"tensor itself (the innermost hooks win, so fzero's, which save a parameter as "
                 f"a reference and gather it again, were not called; hooks that copy, such as "
-                f"torch.autograd.graph.save_on_cpu, are fine), or an alias of a parameter "
-                f"(.detach(), .data) kept across modules. Torch's error: {error}")
+                f"torch.autograd.graph.save_on_cpu, are fine), or an alias of a parameter made "
+                f"where fzero does not see it (through NumPy, DLPack or Tensor.set_). Torch's "
+                f"error: {error}")
         reader = self.stack[-1] if self.stack else model
         paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
         prefix = paths.get(id(reader), "")
@@ -793,10 +830,11 @@ class Residency:
             f"the root module ({type(reader).__name__}) or code outside any module")
         return OutsideOwnerError(
             f"stage 3: {where} read a parameter of a bucket that was released, through a path "
-            f"fzero does not see (a .detach() or .data alias of it taken earlier and kept); it "
-            f"is one of {candidates[:8]}{' ...' if len(candidates) > 8 else ''}. Read the "
-            f"parameter itself, or a view of it, where you need it (any torch function given "
-            f"one gathers its bucket first), or keep such aliases within one module's forward."
+            f"fzero does not see (an alias made outside torch functions: through NumPy, DLPack "
+            f"or Tensor.set_); it is one of {candidates[:8]}"
+            f"{' ...' if len(candidates) > 8 else ''}. Read the parameter itself, a view of it "
+            f"or a .detach() of it where you need it (any torch function given one gathers its "
+            f"bucket first), or keep such aliases within one module's forward."
         )
 
 
@@ -869,8 +907,10 @@ class _Guard(TorchFunctionMode):
             kwargs = {}
         residency = self.residency
         read: list[int] = []
+        detached: int | None = None
         if _reads_data(func):
             bucket_of = residency.bucket_of
+            aliases = residency.buffers.aliases
             for value in (*args, *kwargs.values()) if kwargs else args:
                 for item in value if isinstance(value, list | tuple) else (value,):
                     if not isinstance(item, Tensor):
@@ -880,11 +920,14 @@ class _Guard(TorchFunctionMode):
                         base = item._base
                         if base is not None:  # a view of a parameter, kept
                             index = bucket_of.get(id(base))
+                        if index is None and aliases:
+                            index = residency.buffers.alias_bucket(item)
                     if index is not None:
                         residency.read(index)
                         read.append(index)
                         if _detaches(func):
                             residency.aliased(index)
+                            detached = index
                         if _takes_data(func):
                             residency.data_taken.add(index)  # writes through it bump nothing
                     elif residency.inflight:
@@ -903,6 +946,8 @@ class _Guard(TorchFunctionMode):
             node = _node_of(result)
             if node is not None:
                 residency.await_reads(read, node)
+        if detached is not None and isinstance(result, Tensor):
+            residency.buffers.alias(result, detached)
         return result
 
 

@@ -507,6 +507,34 @@ class KeepsARow(nn.Module):
         return self.b(torch.tanh(self.a(x))) + (row * 2.0).sum()
 
 
+class KeepsAnAlias(nn.Module):
+    """Takes a stop-gradient alias of ``a.weight`` (``how``: ``detach``, ``data``, or ``set_``,
+    over its storage, which no torch function sees) before
+    ``b`` runs and reads it after (``read``: a matmul, or elementwise, which torch does not
+    check against a released storage); each in its own bucket, ``a``'s is released between.
+    ``across_steps``: the alias is taken at the first step only, kept on the module and read at
+    every step."""
+
+    def __init__(self, how: str, read: str, seed: int = 0, across_steps: bool = False):
+        super().__init__()
+        with seeded(seed):
+            self.a = nn.Linear(5, 5)
+            self.b = nn.Linear(5, 5)
+        self.how, self.read, self.across_steps = how, read, across_steps
+        self.kept: Tensor | None = None
+        self.double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kept is None or not self.across_steps:
+            w = self.a.weight
+            self.kept = w.detach() if self.how == "detach" else w.data if self.how == "data" else (
+                torch.empty(0, dtype=w.dtype).set_(w.untyped_storage(), w.storage_offset(),
+                                                   w.shape, w.stride()))
+        h = self.b(torch.tanh(self.a(x)))
+        w = self.kept
+        return h @ w.T if self.read == "matmul" else h + (w * 2.0).sum()
+
+
 class _ViewKeeper(nn.Linear):
     detach = False
 

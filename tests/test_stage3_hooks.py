@@ -3,8 +3,9 @@
 fzero's gathering pre-hooks run before the user's, so a user's forward pre-hook (or forward
 hook) that reads its module's weight sees the gathered values and trains like torch. A
 parameter read outside any module that owns it is gathered on demand (a torch function mode
-sees the read) and trains like torch too; only a view kept across modules, which the mode
-cannot trace back, raises `fzero.OutsideOwnerError`.
+sees the read) and trains like torch too, as do views and stop-gradient aliases (``.detach()``,
+``.data``) of parameters kept across modules; an alias kept from an earlier step raises
+`fzero.OutsideOwnerError`.
 """
 
 from __future__ import annotations
@@ -113,17 +114,57 @@ def test_a_view_kept_across_modules_is_gathered_again(gloo_pool: Any, read: str)
     gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, data))
 
 
-def test_a_detached_alias_kept_across_modules_names_the_reader() -> None:
-    """A read the guard cannot trace (a detached alias of a parameter, taken while its bucket
-    was gathered and used after the bucket was released) raises OutsideOwnerError, not
-    garbage."""
-    model = gb.KeepsAView(detach=True)
+def test_a_detached_view_kept_across_modules_is_gathered_again(gloo_pool: Any) -> None:
+    """A detached alias of a parameter's view, taken while its bucket was gathered and read
+    after the bucket was released, gathers the bucket again (it raised OutsideOwnerError, or
+    crashed the process: gloo workers)."""
+    model, data = gb.KeepsAView(detach=True), square(STEPS)
+    out = gloo_pool(2).run(gb.train, model, gb.mse_loss, data, stage=3,
+                           buckets=gb.each_parameter_alone(model))
+    gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, data))
+
+
+@pytest.mark.parametrize("read", ["matmul", "elementwise"])
+@pytest.mark.parametrize("how", ["detach", "data"])
+def test_a_stop_gradient_alias_kept_across_modules_is_gathered_again(
+        gloo_pool: Any, how: str, read: str) -> None:
+    """``w = a.weight.detach()`` (or ``.data``) taken before ``b`` runs and read after, when
+    ``a``'s bucket was released: the guard knows the aliases a step takes and gathers the
+    bucket again. A matmul raised OutsideOwnerError; an elementwise read read freed memory
+    (the process crashed), hence gloo workers: only they die if it comes back."""
+    model, data = gb.KeepsAnAlias(how, read), square(STEPS)
+    out = gloo_pool(2).run(gb.train, model, gb.mse_loss, data, stage=3,
+                           buckets=gb.each_parameter_alone(model))
+    gb.assert_parity(out[0], gb.reference(model, gb.mse_loss, data))
+
+
+def test_an_alias_no_torch_function_made_names_the_reader() -> None:
+    """An alias over a parameter's storage made with ``Tensor.set_`` (no torch function sees
+    it), read by a matmul after its bucket was released: OutsideOwnerError naming the reader
+    and the candidates, not torch's message about unallocated data."""
+    model = gb.KeepsAnAlias("set_", "matmul")
     outs = fzero.SimWorld(2).run(gb.train_through_failure, model, gb.mse_loss, square(1),
                                  stage=3, fail={}, buckets=gb.each_parameter_alone(model))
     for out in outs:
         error = out["errors"][0]
         assert error["type"] == "OutsideOwnerError" and error["unchanged"], error
-        assert "'child.weight'" in error["message"]
+        assert "the root module (KeepsAnAlias)" in error["message"]
+        assert "'a.weight'" in error["message"] and "Tensor.set_" in error["message"]
+
+
+@pytest.mark.parametrize("how", ["detach", "data"])
+def test_a_stop_gradient_alias_kept_across_steps_raises(gloo_pool: Any, how: str) -> None:
+    """An alias taken at the first step and read at the second holds that step's values at
+    stages 0-2; at stage 3 it would read today's, or freed memory (a crash, hence gloo
+    workers): it raises, naming the parameter, and the state is unchanged."""
+    model = gb.KeepsAnAlias(how, "elementwise", across_steps=True)
+    outs = gloo_pool(2).run(gb.train_through_failure, model, gb.mse_loss, square(2),
+                            stage=3, fail={}, buckets=gb.each_parameter_alone(model))
+    for out in outs:
+        assert list(out["errors"]) == [1] and len(out["losses"]) == 1
+        error = out["errors"][1]
+        assert error["type"] == "OutsideOwnerError" and error["unchanged"], error
+        assert "'a.weight'" in error["message"] and "earlier step" in error["message"]
 
 
 class KeptAcrossPrefetch(nn.Module):
