@@ -1100,10 +1100,11 @@ class _ReplicatedSession:
                     last: bool) -> Tensor:
         self.completion.armed = self._reduces_now(last)
         loss = loss_fn(model.__call__, micro)
-        _check_loss(loss, self.state)
+        _check_loss(loss)
         _check_unmodified(self.leaves, self.versions, self.state)
         with self.completion.backward():
-            (loss * factor).backward()
+            if loss.requires_grad:  # (without: this rank's gradients are zero, see `_no_path`)
+                (loss * factor).backward()
         displaced = self.bound.displaced()
         if displaced:
             raise ValueError(
@@ -1237,7 +1238,7 @@ class _ShardedSession:
     def micro_batch(self, loss_fn: LossFn, model: nn.Module, micro: Any, factor: float,
                     last: bool) -> Tensor | None:
         loss = self._forward(loss_fn, model, micro)
-        _check_loss(loss, self.state)
+        _check_loss(loss)
         _check_unmodified(self.leaves, self.versions, self.state)
         touched = set(self.residency.used)
         self._end_phase(DONE, keep=True)  # backward starts with what forward ended with
@@ -1253,7 +1254,8 @@ class _ShardedSession:
                 self.completion.force(index)
         with self.residency.guard(model), self.completion.backward():
             try:
-                backward_under_guard(loss * factor)
+                if loss.requires_grad:  # (without: zero gradients, see `_no_path`)
+                    backward_under_guard(loss * factor)
             except RuntimeError as error:
                 explained = self.residency.explain(error, model)
                 if explained is error:
@@ -1423,6 +1425,20 @@ def _fingerprint_halves(state: ShardState) -> tuple[Tensor | None, Tensor | None
     return ((total >> 32) & 0xFFFFFFFF).double(), (total & 0xFFFFFFFF).double()
 
 
+def _no_path(state: ShardState, counts: Sequence[int] | None) -> ValueError | None:
+    """The error when no rank's loss reached any trainable parameter (a loss_fn that does not
+    use `call`, or runs under torch.no_grad), or None. A rank whose loss has no gradient path
+    while another's has one (a branch its batch turned off) contributes zero gradients, as its
+    rows contribute nothing to the gradient of the global batch's loss."""
+    if counts is None or not state.trainable or any(count > 0 for count in counts):
+        return None
+    names = _unused_names(state, [False] * len(counts))
+    return ValueError(
+        f"the loss has no gradient path to any trainable parameter on any rank; these got no "
+        f"gradient: {names[:10]}{' ...' if len(names) > 10 else ''} (does loss_fn use "
+        f"`call`, and does it run under torch.no_grad?)")
+
+
 def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
     """Raise on every rank, before any update, if the step cannot be applied."""
     step = state.step + 1
@@ -1435,6 +1451,9 @@ def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
             f"raised ({details}); this rank's state is unchanged",
             step=step, ranks=stats.failed,
         )
+    no_path = _no_path(state, stats.used)
+    if no_path is not None:
+        raise no_path
     if stats.diverged:
         raise StepError(
             f"train step {step}: after forward and backward the parameters of rank(s) "
@@ -1679,18 +1698,11 @@ def _unused_names(state: ShardState, used: Sequence[bool]) -> list[str]:
     return [name for name, flag in zip(names, used, strict=True) if not flag]
 
 
-def _check_loss(loss: Any, state: ShardState) -> None:
+def _check_loss(loss: Any) -> None:
     if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
         got = f"shape {tuple(loss.shape)} dtype {loss.dtype}" if isinstance(loss, Tensor) else (
             type(loss).__name__)
         raise ValueError(f"loss_fn must return a scalar floating-point tensor, got {got}")
-    if not loss.requires_grad:
-        names = [e.name for b in state.layout.buckets if b.trainable for e in b.entries]
-        raise ValueError(
-            f"the loss has no gradient path to any trainable parameter; these got no "
-            f"gradient: {names[:10]}{' ...' if len(names) > 10 else ''} (does loss_fn use "
-            f"`call`, and does it run under torch.no_grad?)"
-        )
 
 
 def _check_model(

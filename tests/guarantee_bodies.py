@@ -325,6 +325,8 @@ FAIL = -2
 """A route entry that makes `routed_loss` raise `Boom` (a failure on that rank only)."""
 FAIL_IN_BACKWARD = -3
 """A route entry whose autograd node raises `Boom` in backward."""
+NO_PATH = -4
+"""A route entry that makes `routed_loss` leave the model out (a constant loss)."""
 
 
 class Boom(Exception):
@@ -345,6 +347,8 @@ def routed_loss(call: Callable[..., Tensor], batch: tuple[Tensor, Tensor, Tensor
     x, route, y = batch
     if bool((route == FAIL).any()):
         raise Boom("loss_fn failed on purpose")
+    if bool((route == NO_PATH).any()):
+        return y.pow(2).mean()  # the model left out: no gradient path on this rank
     return F.mse_loss(call(x, route), y)
 
 

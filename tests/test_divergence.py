@@ -206,6 +206,42 @@ def test_unused_parameters_follow_torch(stage: int, world: int, buckets: Any) ->
     assert out[0]["step"] == 5
 
 
+NO_PATH = [gb.NO_PATH]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_rank_whose_loss_leaves_the_model_out_contributes_zeros(
+        stage: int, world: int, short_patience: None) -> None:
+    """A rank whose batch turns the model off (its loss has no gradient path) contributes zero
+    gradients, as its rows do to the gradient of the mean of every rank's loss; other ranks
+    train on. It raised 'no gradient path' on that rank, stopping every rank."""
+    plan = [[FULL] * world, [NO_PATH, *[FULL] * (world - 1)], [*[FULL] * (world - 1), NO_PATH],
+            [NO_PATH, *[[0, 2]] * (world - 1)]]
+    data = gb.routed_batches(plan)
+    want = gb.reference(gb.Routed().double(), gb.routed_loss, data, world=world)
+    for buckets in (None, 20):
+        out = fzero.SimWorld(world).run(gb.train, gb.Routed().double(), gb.routed_loss, data,
+                                        stage=stage, buckets=buckets)
+        gb.assert_parity(out[0], want)
+        assert [m["unused"] for m in out[0]["metrics"]][3] == ["blocks.1.weight",
+                                                               "blocks.1.bias"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_no_rank_with_a_gradient_path_raises_on_every_rank(stage: int) -> None:
+    """When no rank's loss reaches a trainable parameter (a loss_fn that forgot `call`), every
+    rank raises naming the parameters, and the state is unchanged; the next step trains."""
+    data = gb.routed_batches([[NO_PATH] * 2, [FULL] * 2])
+    outs = fzero.SimWorld(2).run(gb.train_through_failure, gb.Routed().double(),
+                                 gb.routed_loss, data, stage=stage, fail={})
+    for out in outs:
+        assert list(out["errors"]) == [0] and len(out["losses"]) == 1 and out["step"] == 1
+        error = out["errors"][0]
+        assert error["type"] == "ValueError" and error["unchanged"], error
+        assert "no gradient path" in error["message"] and "'inp.weight'" in error["message"]
+
+
 def test_unused_reference_differs_from_zero_gradients() -> None:
     """What fzero did before: a zero gradient instead of none, so decay and moments go on."""
     data = batches("unused", 1)
