@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -205,23 +206,68 @@ def init_distributed(
     if backend == "nccl":
         kwargs["device_id"] = dev
     try:
-        if env.launcher == "torchrun":
-            dist.init_process_group(init_method="env://", **kwargs)
+        if env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(init_method="env://", **kwargs)  # the agent's own store
         elif env.world_size == 1:
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         else:
-            host = f"[{env.master_addr}]" if ":" in str(env.master_addr) else env.master_addr
-            dist.init_process_group(
-                init_method=f"tcp://{host}:{env.master_port}",
-                rank=env.rank,
-                world_size=env.world_size,
-                **kwargs,
-            )
+            store = dist.TCPStore(str(env.master_addr), int(env.master_port or 0),
+                                  is_master=env.rank == 0, timeout=timeout,
+                                  wait_for_workers=False)
+            _agree_on_world_size(store, env, timeout)
+            dist.init_process_group(store=store, rank=env.rank, world_size=env.world_size,
+                                    **kwargs)
     except dist.DistStoreError as exc:  # the rendezvous timed out: not every rank came
         raise RuntimeError(_rendezvous_help(env, timeout)) from exc
     except dist.DistNetworkError as exc:  # this rank could not reach or open the store
         raise RuntimeError(_rendezvous_help(env, timeout, exc)) from exc
     return TorchComm(transport=transport)
+
+
+_WORLD_KEY = "fzero/world_size/"
+"""Store keys of `_agree_on_world_size`: each rank's world size, rank 0's verdict, the count of
+ranks that read it."""
+
+
+def _agree_on_world_size(store: dist.Store, env: LaunchEnv, timeout: timedelta) -> None:
+    """Raise on every rank when ranks read different world sizes from their environment.
+
+    Torch's rendezvous would let each rank wait for as many peers as it read: those that read
+    more wait out the timeout, and rank 0 passes and hangs in the backend's first connection
+    (a gloo timeout long after, with a hint about srun that did not apply: a probe). Here every
+    rank writes what it read; rank 0 compares them and publishes its verdict, which each rank
+    reads (and acknowledges, so that rank 0, whose process serves the store, outlives it)."""
+    variable = "SLURM_NTASKS" if env.launcher == "slurm" else "WORLD_SIZE"
+    store.set(f"{_WORLD_KEY}{env.rank}", str(env.world_size))
+    if env.rank != 0:
+        first = int(store.get(f"{_WORLD_KEY}0"))
+        verdict = store.get(f"{_WORLD_KEY}verdict").decode() if first == env.world_size else (
+            f"this rank ({env.rank}) read {variable}={env.world_size} but rank 0 read "
+            f"{variable}={first}")
+        store.add(f"{_WORLD_KEY}read", 1)
+        if verdict:
+            raise RuntimeError(_WORLD_HELP.format(verdict=verdict))
+        return
+    others = [f"{_WORLD_KEY}{r}" for r in range(1, env.world_size)]
+    store.wait(others, timeout)  # (a rank missing: DistStoreError, the rendezvous' help)
+    read = {r: int(store.get(key)) for r, key in enumerate(others, start=1)}
+    differ = {r: n for r, n in read.items() if n != env.world_size}
+    verdict = "" if not differ else (
+        f"rank 0 read {variable}={env.world_size} but rank(s) {sorted(differ)} read "
+        f"{sorted(set(differ.values()))}")
+    store.set(f"{_WORLD_KEY}verdict", verdict)
+    if verdict:
+        deadline = time.monotonic() + min(timeout.total_seconds(), 10.0)
+        while store.add(f"{_WORLD_KEY}read", 0) < len(others) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise RuntimeError(_WORLD_HELP.format(verdict=verdict))
+
+
+_WORLD_HELP = (
+    "the processes of this job disagree on its world size: {verdict}. Every process must read "
+    "the same: under Slurm, SLURM_NTASKS from the one `srun` that starts them all (not a "
+    "WORLD_SIZE or SLURM_NTASKS exported by hand), under torchrun its own variables"
+)
 
 
 def _rendezvous_help(env: LaunchEnv, timeout: timedelta,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 import warnings
 from datetime import timedelta
@@ -928,6 +931,50 @@ def test_a_rank_that_cannot_reach_the_rendezvous_is_told_so(
         f"torchrun) (DistNetworkError: ")
     assert "the store is opened by rank 0 on that host and port" in str(info.value)
     assert not dist.is_initialized()
+
+
+_DISAGREEING_RANK = """
+import sys
+from datetime import timedelta
+from fzero.launch import init_distributed
+try:
+    init_distributed(backend="gloo", timeout=timedelta(seconds=20))
+except RuntimeError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "torchrun"])
+def test_ranks_that_read_different_world_sizes_are_told_so_at_once(launcher: str) -> None:
+    """Ranks 0-2 of a job, one of which read a larger world size (a WORLD_SIZE or SLURM_NTASKS
+    exported by hand): every rank raises within seconds, naming what each read. Torch's
+    rendezvous let rank 0 pass and hang in gloo's first connection, and the others wait out
+    their timeout (75 s with a 15 s timeout, with a hint about srun that did not apply)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    names = (("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if launcher == "slurm"
+             else ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    variable = names[1]
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    sizes = {0: "3", 1: "4", 2: "3"}
+    start = time.monotonic()
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", _DISAGREEING_RANK],
+        env={**base, names[0]: str(rank), names[1]: size, names[2]: "0",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank, size in sizes.items()]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert time.monotonic() - start < 15, outs
+    assert [p.returncode for p in procs] == [3, 3, 3], outs
+    assert f"rank 0 read {variable}=3 but rank(s) [1] read [4]" in outs[0], outs[0]
+    assert f"this rank (1) read {variable}=4 but rank 0 read {variable}=3" in outs[1], outs[1]
+    assert f"rank 0 read {variable}=3 but rank(s) [1] read [4]" in outs[2], outs[2]
+    assert all("disagree on its world size" in out for out in outs)
 
 
 def test_init_distributed_names_missing_variable(bare_env: pytest.MonkeyPatch) -> None:
