@@ -619,11 +619,16 @@ class Residency:
             for handle in handles:
                 handle.remove()
 
+    def _foreign_hooks(self) -> tuple[Any, Any] | None:
+        """The innermost saved-tensor hooks, (pack, unpack), when they are not stage 3's own."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top if top is not None and id(top[0]) != self._own_pack else None  # (alive
+        # while it is on top: an id is not reused then)
+
     def _checkpointed(self) -> bool:
         """Whether forward runs under saved-tensor hooks other than stage 3's own: inside a
         non-reentrant checkpointed region (whose recomputation in backward pins buckets)."""
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return top is not None and id(top[0]) != self._own_pack  # (alive while it is on top)
+        return self._foreign_hooks() is not None
 
     def _region_graph(self) -> bool:
         """Whether the torch functions run now build a graph that backward runs, inside a
@@ -631,9 +636,8 @@ class Residency:
         reentrant region's recomputation, whose graph its own backward runs), not the
         region's recomputation (whose graph is never differentiated: the forward's graph
         reads the tensors it saves)."""
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return (top is not None and id(top[0]) != self._own_pack
-                and not _qualname(top[1]).startswith(_RECOMPUTATION_HOOKS))
+        top = self._foreign_hooks()
+        return top is not None and not _qualname(top[1]).startswith(_RECOMPUTATION_HOOKS)
 
     def _unpin_after_backward(self, module: nn.Module, buckets: list[int], args: Any,
                               kwargs: Any, *, counted: bool = False) -> None:
