@@ -35,7 +35,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fzero.collect import Pending, SideStreams, bucket_label, launch, reduce_scatter_bucket
+from fzero.collect import (
+    Pending,
+    SideStreams,
+    bucket_label,
+    launch,
+    predivided,
+    reduce_scatter_bucket,
+)
 from fzero.comm import Comm
 from fzero.flat import shard_view
 from fzero.layout import ShardLayout
@@ -353,8 +360,8 @@ class Reducer:
         else:
             self._fly(index, launch(
                 self.streams, "reduce", grad, (grad,),
-                lambda g=grad: self.comm.all_reduce(g, op="avg", async_op=True,
-                                                    label=bucket_label(bucket))))
+                lambda g=grad: self.comm.all_reduce(g, op=predivided(self.comm, g, "avg"),
+                                                    async_op=True, label=bucket_label(bucket))))
 
     def _scratch(self, numel: int, like: Tensor) -> Tensor:
         """A ``(numel,)`` buffer for a flat gradient: the smallest spare one that fits (a

@@ -306,8 +306,24 @@ def reduce_scatter_bucket(
     if out is None:
         out = flat.new_empty(bucket.shard_numel)
     return launch(streams, "reduce", out, (flat,),
-                  lambda: comm.reduce_scatter(out, flat, op=op, async_op=True,
-                                              label=bucket_label(bucket)))
+                  lambda: comm.reduce_scatter(out, flat, op=predivided(comm, flat, op),
+                                              async_op=True, label=bucket_label(bucket)))
+
+
+def predivided(comm: Comm, tensor: Tensor, op: str) -> str:
+    """The op that reduces `tensor` (a reduction's input, overwritten) to `op`'s result: for
+    the mean of a float16 tensor, ``"sum"`` of the tensor first divided by N in place, else
+    `op` itself.
+
+    "avg" adds before it divides (`fzero.comm`): N loss-scaled float16 gradients below
+    65504 each could add up to infinity, and the step be skipped where one process (and DDP,
+    which divides first, and NCCL's own average, which multiplies by 1/N first) keeps a finite
+    mean (a probe: at N = 2, a scaled gradient of 49152 skipped the step and halved the loss
+    scale). Other dtypes keep the sum's single rounding: bfloat16 and wider have the range."""
+    if op == "avg" and tensor.dtype == torch.float16 and comm.world_size > 1:
+        tensor.div_(comm.world_size)
+        return "sum"
+    return op
 
 
 class Collectives(NamedTuple):

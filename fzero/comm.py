@@ -13,9 +13,11 @@ and s = the per-rank (small side) numel, the collectives are, for every rank r:
     all_reduce:      tensor_r <- reduce(tensor_q for q in range(N))  ("sum", "avg", "max", "min")
     broadcast:       tensor_r <- tensor_src
 
-"avg" is the sum divided by N (not a sum of pre-divided terms): that is what gloo's and NCCL's
-`ReduceOp.AVG` compute. A reduce-scatter's input is scratch: its contents are unspecified
-afterwards (`TorchComm` over gloo reduces in place).
+"avg" is the sum divided by N (not a sum of pre-divided terms): that is what gloo's
+`ReduceOp.AVG` computes (NCCL's multiplies each term by 1/N first for floating types, so its
+last bits may differ; fzero's float16 gradient means divide first themselves, as the sum could
+overflow: `fzero.collect.predivided`). A reduce-scatter's input is scratch: its contents are
+unspecified afterwards (`TorchComm` over gloo reduces in place).
 
 [Note: ring accounting]
 `CommCounters` charges each rank the bytes it sends in a bandwidth-optimal ring implementation,

@@ -175,7 +175,8 @@ class TorchComm(CommBase):
 
     Every transport works in place (`in_place`) except "single" over gloo.
 
-    "avg" uses `ReduceOp.AVG` (pairwise: the sum divided by N, which is what AVG computes); if
+    "avg" uses `ReduceOp.AVG` (pairwise: the sum divided by N, which is what gloo's AVG
+    computes; NCCL's multiplies by 1/N first, see `fzero.comm`); if
     the backend rejects it (gloo before torch 2.13 does, identically on every rank and before
     any communication), this comm switches to SUM followed by a division by world_size.
 

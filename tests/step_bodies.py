@@ -245,6 +245,30 @@ def snapshot_state(state: ShardState) -> dict[str, Any]:
     }
 
 
+NEAR_TOP = 0.75
+"""d loss / d w of `near_top_loss` for every weight: scaled by 65536, 49152, which float16 holds
+(its largest is 65504) but twice of which it does not."""
+
+
+def near_top_loss(call: Callable[..., Tensor], batch: tuple[Tensor]) -> Tensor:
+    (x,) = batch
+    return call(x).float().mean() * NEAR_TOP
+
+
+def near_top_body(comm: Comm, *, stage: int) -> dict[str, Any]:
+    """One float16 step of a zero ``Linear(4, 1)`` on rows of ones at loss scale 65536 (SGD, lr
+    0.1): each rank's scaled gradient is 49152 everywhere."""
+    model = nn.Linear(4, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    model.half()
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+    assert state.loss_scale is not None and state.loss_scale.scale == 2.0**16
+    step = fzero.make_train_step(model, near_top_loss)
+    state, metrics = step(state, (torch.ones(2, 4, dtype=torch.float16),))
+    return {"skipped": metrics["skipped"], "loss_scale": metrics["loss_scale"],
+            "weight": fzero.full_params(state)["weight"]}
+
+
 def overflow_body(
     comm: Comm, model: nn.Module, batches: Sequence[Any], bad_step: int, *, stage: int
 ) -> list[dict[str, Any]]:

@@ -356,6 +356,29 @@ def test_fp16_overflow_skips_exactly_one_step(stage: int) -> None:
     assert records[-1]["after"]["step"] == len(records) - 1
 
 
+def check_near_top(out: dict[str, Any]) -> None:
+    """The step was applied: w = -0.1 * 0.75 (rounded to float16), the scale kept."""
+    assert out["skipped"] is False and out["loss_scale"] == 2.0**16, out
+    want = torch.full((1, 4), -0.1 * sb.NEAR_TOP).half()
+    assert torch.equal(out["weight"], want), (out["weight"], want)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp16_gradients_near_the_top_of_their_range_average_without_overflow(
+        stage: int, world: int) -> None:
+    """Every rank's loss-scaled float16 gradient is 49152, a finite value one process (and DDP,
+    which divides before it adds) averages to itself. Added before the division, two of them
+    overflowed: the step was skipped and the loss scale halved at every N > 1 (a probe)."""
+    for out in run(world, sb.near_top_body, stage=stage):
+        check_near_top(out)
+
+
+def test_fp16_gradients_near_the_top_of_their_range_on_gloo(gloo_pool: Any) -> None:
+    for out in gloo_pool(2).run(sb.near_top_body, stage=3):
+        check_near_top(out)
+
+
 def test_fp16_state_starts_with_a_loss_scale_and_bf16_without() -> None:
     half = run(1, sb.init_body, MLP(), stage=1, param_dtype=torch.float16)[0]
     brain = run(1, sb.init_body, MLP(), stage=1, param_dtype=torch.bfloat16)[0]
