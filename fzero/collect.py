@@ -414,19 +414,19 @@ def collectives(
     ) -> tuple[Tensor, ...]:
         """Gradient shards of `buckets` (default all), averaged over ranks.
 
-        Missing gradients count as zero; padding is zero. Non-floating (integer) buckets have
-        no gradient: their shards are zeros, without communication (a gradient given for an
-        integer parameter raises). A tied parameter's gradient is summed over its names, the
-        same tensor given under several of them counted once (``autograd.grad`` returns one
-        tensor for repeated inputs, as for ``gather``'s aliases). Every reduce-scatter is
-        issued before the first is waited on.
+        Missing gradients count as zero; padding is zero. Integer and bool buckets have no
+        gradient: their shards are zeros, without communication (a gradient given for such a
+        parameter raises); complex ones have theirs, averaged as any other. A tied
+        parameter's gradient is summed over its names, the same tensor given under several of
+        them counted once (``autograd.grad`` returns one tensor for repeated inputs, as for
+        ``gather``'s aliases). Every reduce-scatter is issued before the first is waited on.
         """
         indices = _bucket_indices(layout, buckets, len(layout.buckets))
         grads = _check_grads(grads, layout, located, device)
         pending = []
         for i in indices:
             bucket = layout.buckets[i]
-            if not bucket.torch_dtype.is_floating_point:
+            if not _has_gradients(bucket.torch_dtype):
                 pending.append(_Ready(torch.zeros(bucket.shard_numel, dtype=bucket.torch_dtype,
                                                   device=device)))
                 continue
@@ -479,7 +479,7 @@ class _GatherBuckets(torch.autograd.Function):
         pending = []
         for index, flat in zip(info.indices, flat_grads, strict=True):
             bucket = info.layout.buckets[index]
-            if not ctx.needs_input_grad[1 + index] or not bucket.torch_dtype.is_floating_point:
+            if not ctx.needs_input_grad[1 + index] or not _has_gradients(bucket.torch_dtype):
                 continue  # a shard that does not require grad (frozen) gets none, unsent
             dtype = info.reduce_dtype or bucket.torch_dtype
             if flat is None:  # every rank takes part: a missing gradient is a zero gradient
@@ -493,6 +493,12 @@ class _GatherBuckets(torch.autograd.Function):
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def _has_gradients(dtype: torch.dtype) -> bool:
+    """Whether parameters of `dtype` have gradients: floating and complex ones (a complex
+    shard's gradient was dropped, silently: a probe)."""
+    return dtype.is_floating_point or dtype.is_complex
 
 
 class _Ready(NamedTuple):
@@ -570,10 +576,10 @@ def _check_grads(
                 f"{device}: move it there first"
             )
         dtype = layout.buckets[located[name][0]].torch_dtype
-        if not dtype.is_floating_point:
+        if not _has_gradients(dtype):
             raise ValueError(
-                f"gradient given for {name!r}, a {entry.dtype} parameter: integer parameters "
-                f"have no gradient (their shards come back as zeros)"
+                f"gradient given for {name!r}, a {entry.dtype} parameter: integer and bool "
+                f"parameters have no gradient (their shards come back as zeros)"
             )
         if grad.dtype != dtype:
             raise ValueError(

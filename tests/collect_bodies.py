@@ -247,6 +247,22 @@ def integer_bucket_body(comm: Comm, layout: ShardLayout, params: Params) -> dict
     return out
 
 
+def complex_loss(full: Mapping[str, Tensor], rank: int) -> Tensor:
+    """A real loss of a complex and a real parameter that differs per rank."""
+    return (full["c"].abs() ** 2).sum() * (rank + 1) + (full["w"] * (rank + 1)).sum()
+
+
+def complex_bucket_body(comm: Comm, layout: ShardLayout, params: Params) -> dict[str, Any]:
+    """On a layout with a trainable complex bucket: the shards' gradients through gather's
+    backward, and scatter_grads of the complex parameter's gradient alone."""
+    gather, scatter_grads, _ = collectives(layout, comm)
+    shards = [s.requires_grad_() for s in fzero.shard(params, layout, comm.rank)]
+    complex_loss(gather(shards), comm.rank).backward()
+    c = params["c"].detach()
+    return {"backward": [s.grad for s in shards],
+            "scatter_grads": scatter_grads({"c": 2 * c * (comm.rank + 1)})}
+
+
 # ----------------------------------------------------------------------------------------------
 # Found by a probe of the hand-written-step API (each was silently wrong before)
 

@@ -639,6 +639,44 @@ def test_sim_scatter_grads_with_integer_bucket() -> None:
     check_grad_shards(float_shards, w_only, [{"w": 2 * params["w"].detach()}] * n)
 
 
+def check_complex_bucket(outs: Sequence[dict[str, Any]], n: int) -> None:
+    """Each rank's shard gradients equal the shards of the mean over ranks of the full
+    gradients (torch.autograd on the full parameters); scatter_grads averages a complex
+    gradient and gives the real bucket zeros."""
+    layout, params = complex_case(n)
+    full = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    mean = sum(cb.complex_loss(full, r) for r in range(n)) / n
+    want = dict(zip(full, torch.autograd.grad(mean, list(full.values())), strict=True))
+    for rank, out in enumerate(outs):
+        for got, expected in zip(out["backward"], fzero.shard(want, layout, rank), strict=True):
+            assert got is not None and got.dtype == expected.dtype
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+        c_shard, w_shard = out["scatter_grads"]
+        torch.testing.assert_close(c_shard, fzero.shard(want, layout, rank)[0],
+                                   rtol=0, atol=1e-6)
+        assert not w_shard.any()
+
+
+def complex_case(n: int) -> tuple[ShardLayout, dict[str, Tensor]]:
+    params = {"c": torch.tensor([1 + 2j, -1 + 0.5j, 3 - 1j], dtype=torch.complex64),
+              "w": torch.tensor([1.0, 2.0, 3.0])}
+    layout = fzero.plan(params, n, buckets=[["c"], ["w"]], trainable=lambda name: True)
+    assert [(b.dtype, b.trainable) for b in layout.buckets] == [("complex64", True),
+                                                              ("float32", True)]
+    return layout, params
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_sim_a_trainable_complex_bucket_gets_its_gradient(n: int) -> None:
+    """gather's backward gave a trainable complex shard no gradient, and scatter_grads
+    refused its gradient calling it an integer parameter (a probe)."""
+    check_complex_bucket(SimWorld(n).run(cb.complex_bucket_body, *complex_case(n)), n)
+
+
+def test_gloo_a_trainable_complex_bucket_gets_its_gradient(gloo_pool: Any) -> None:
+    check_complex_bucket(gloo_pool(2).run(cb.complex_bucket_body, *complex_case(2)), 2)
+
+
 def test_sim_scatter_grads_counts_a_tied_gradient_once_per_tensor() -> None:
     """The gradients of gather's output dict (its tied names map to one tensor, and
     ``autograd.grad`` returns one tensor for both) doubled a tied weight's gradient in
