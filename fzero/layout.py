@@ -470,14 +470,18 @@ def flatten_names(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def _tie_key(tensor: torch.Tensor) -> object:
     """What makes two names of a mapping one tensor: the same object, or the same elements in
     memory (a ``state_dict()`` or ``detach()`` makes a new tensor object per name of a tied
-    weight; planned apart, the two would train apart). Meta and empty tensors have no elements
-    to share. (A module's parameters are tied by identity, as torch ties them.) A conjugate or
-    negative view of the same memory holds other values: not a tie (one was read as the other,
-    silently: a probe)."""
-    if not in_memory(tensor) or tensor.numel() == 0:
+    weight; planned apart, the two would train apart). A meta tensor has no address, but the
+    names of a tied one still share one storage object (a meta model's ``state_dict()`` was
+    planned untied: another layout than the same model's on CPU, silently: a probe). Empty
+    tensors and subclasses have no elements to share. (A module's parameters are tied by
+    identity, as torch ties them.) A conjugate or negative view of the same memory holds
+    other values: not a tie (one was read as the other, silently: a probe)."""
+    if tensor.numel() == 0 or type(tensor) not in (torch.Tensor, nn.Parameter):
         return id(tensor)
-    return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(),
-            tensor.dtype, tensor.is_conj(), tensor.is_neg())
+    where = (("meta", tensor.untyped_storage()._cdata, tensor.storage_offset())
+             if tensor.is_meta else (tensor.device, tensor.data_ptr()))
+    return (*where, tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.is_conj(),
+            tensor.is_neg())
 
 
 def first_overlap(

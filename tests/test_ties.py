@@ -31,6 +31,25 @@ def test_to_meta_unties() -> None:
     assert model.lm_head.weight.is_meta
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_meta_state_dict_is_planned_with_its_ties(world: int) -> None:
+    """A tied model built on meta: its ``state_dict()`` gives each name of the tie a tensor of
+    its own, over one storage, and no address to compare; it was planned untied (the tie's
+    elements twice, another fingerprint than the same model's on CPU), silently (a probe).
+    Separate meta tensors of one shape stay apart."""
+    with torch.device("meta"):
+        meta = TinyGPT()
+    real = TinyGPT()
+    assert meta.lm_head.weight is meta.tok_emb.weight
+    planned = fzero.plan(meta.state_dict(), world)
+    assert planned.fingerprint == fzero.plan(real.state_dict(), world).fingerprint
+    tied = [e.names for b in planned.buckets for e in b.entries if len(e.names) > 1]
+    assert tied == [("tok_emb.weight", "lm_head.weight")]
+    apart = fzero.plan({"a": torch.empty(4, device="meta"), "b": torch.empty(4, device="meta")},
+                       world)
+    assert [e.names for b in apart.buckets for e in b.entries] == [("a",), ("b",)]
+
+
 @functools.cache
 def gpt_reference() -> gb.Reference:
     return gb.reference(TinyGPT().double(), gb.gpt_loss, gb.gpt_batches(STEPS))
