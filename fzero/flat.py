@@ -196,8 +196,13 @@ _INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.in
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`'s elements as integers of their own width (a view): comparing them compares
     bit patterns, so NaN equals the same NaN and -0.0 differs from 0.0 (and an integer
-    compare is several times faster than one over bytes)."""
-    return tensor.view(_INTEGER_OF_WIDTH.get(tensor.element_size(), torch.uint8))
+    compare is several times faster than one over bytes). A width no integer has (complex128)
+    gives bytes, along a last dimension a 0-d tensor first gets (torch views no 0-d tensor
+    as a narrower dtype: a 0-d complex128 parameter crashed `check_roundtrip`, a probe)."""
+    integer = _INTEGER_OF_WIDTH.get(tensor.element_size())
+    if integer is not None:
+        return tensor.view(integer)
+    return (tensor.unsqueeze(0) if tensor.dim() == 0 else tensor).view(torch.uint8)
 
 
 _CHECKSUM_CHUNK = 1 << 20

@@ -204,23 +204,40 @@ def test_all_finite_is_isfinite_all(values: list[float], dtype: torch.dtype) -> 
                 min_size=1, max_size=8),
        st.integers(0, 7),
        st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64,
-                        torch.complex64, torch.complex128, torch.int8]))
+                        torch.complex64, torch.complex128, torch.int8]),
+       st.booleans())
 def test_bits_compare_equal_exactly_when_the_bytes_do(values: list[float], flip: int,
-                                                      dtype: torch.dtype) -> None:
+                                                      dtype: torch.dtype, scalar: bool) -> None:
     """`bits` views elements as integers of their own width (any width: complex128's 16 bytes
-    fall back to bytes): two tensors' bits are equal exactly when their bytes are, so NaN
-    equals NaN and -0.0 differs from 0.0, and the view is of the same memory."""
+    fall back to bytes, a 0-d one too, which crashed): two tensors' bits are equal exactly
+    when their bytes are, so NaN equals NaN and -0.0 differs from 0.0, and the view is of the
+    same memory."""
     from fzero.flat import bits
 
-    a = torch.tensor(values).to(dtype)
+    a = torch.tensor(values[0] if scalar else values).to(dtype)
     b = a.clone()
-    b.view(torch.uint8)[flip % b.view(torch.uint8).numel()] ^= 1
+    b.reshape(-1).view(torch.uint8)[flip % (b.numel() * b.element_size())] ^= 1
     for x, y in ((a, a.clone()), (a, b)):
-        assert torch.equal(bits(x), bits(y)) == torch.equal(x.view(torch.uint8),
-                                                            y.view(torch.uint8))
+        assert torch.equal(bits(x), bits(y)) == torch.equal(x.reshape(-1).view(torch.uint8),
+                                                            y.reshape(-1).view(torch.uint8))
     assert not torch.equal(bits(a), bits(b))
     assert bits(a).untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
     assert bits(a).element_size() in (a.element_size(), 1)
+
+
+def test_bits_of_a_zero_dim_complex128_and_its_round_trip() -> None:
+    """The shrunk example: torch views no 0-d tensor as a narrower dtype, so `bits` of a 0-d
+    complex128 raised, and with it `fzero.testing.check_roundtrip` of a model holding one (a
+    probe)."""
+    from fzero.flat import bits
+    from fzero.testing import check_roundtrip
+
+    z = torch.tensor(1 + 2j, dtype=torch.complex128)
+    assert torch.equal(bits(z), z.reshape(1).view(torch.uint8))
+    assert not torch.equal(bits(z), bits(torch.tensor(1 - 2j, dtype=torch.complex128)))
+    model = torch.nn.Linear(3, 1)
+    model.register_parameter("z", torch.nn.Parameter(z, requires_grad=False))
+    assert check_roundtrip(model, world_sizes=(1, 2, 3), buckets=(None, 1)) == 6
 
 
 def _checksum_by_hand(tensor: torch.Tensor) -> int:
