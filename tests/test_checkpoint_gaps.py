@@ -250,6 +250,50 @@ def test_export_to_bfloat16_keeps_integer_parameters_and_buffers_integer(tmp_pat
         assert dtypes[name] == torch.bfloat16, (name, dtypes)
 
 
+class WithOddDtypes(torch.nn.Module):
+    """A frozen complex parameter (`complex_dtype`) and a uint16 buffer beside a Linear."""
+
+    def __init__(self, complex_dtype: torch.dtype = torch.complex64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 3)
+        self.phase = torch.nn.Parameter(torch.randn(3, dtype=complex_dtype),
+                                        requires_grad=False)
+        self.register_buffer("counts", torch.tensor([1, 65535, 7], dtype=torch.uint16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.phase.abs().to(x.dtype) + self.counts.to(x.dtype)
+
+
+def _round_trip_body(comm: Any, path: str) -> dict[str, torch.Tensor]:
+    model = WithOddDtypes()
+    state = fzero.init(model, stage=3, optimizer=fzero.optim.adamw(lr=1e-3), comm=comm)
+    fzero.save(state, path)
+    loaded = fzero.load(path, model=WithOddDtypes(), comm=comm)
+    return {**fzero.full_params(loaded), **loaded.buffers}
+
+
+def test_a_complex64_parameter_and_a_uint16_buffer_are_saved_bitwise(tmp_path) -> None:
+    """safetensors holds complex64 and uint16 (C64, U16): save refused them, naming the file's
+    tensor ('params.0') instead of the parameter (a probe). Now they load back bitwise, and
+    consolidate writes them with their dtypes."""
+    want = WithOddDtypes()
+    for out in fzero.SimWorld(2).run(_round_trip_body, str(tmp_path / "c")):
+        assert out["phase"].dtype == torch.complex64 and out["counts"].dtype == torch.uint16
+        assert torch.equal(out["phase"], want.phase) and torch.equal(out["counts"], want.counts)
+    full = fzero.checkpoint.consolidate(tmp_path / "c")
+    assert torch.equal(full["phase"], want.phase) and torch.equal(full["counts"], want.counts)
+
+
+def test_a_dtype_no_safetensors_file_holds_is_named_before_anything_is_written(tmp_path) -> None:
+    outs = fzero.SimWorld(2).run(_outcome_body, WithOddDtypes(torch.complex128),
+                                 str(tmp_path / "c"), {})
+    for out in outs:
+        assert out is not None and out[0] == "TypeError", out
+        assert "['phase (complex128)']" in out[1] and "nothing was written" in out[1], out
+    assert not os.path.exists(tmp_path / "c") and not os.path.exists(tmp_path / "c.partial")
+
+
 def test_export_removes_tmp_files_of_an_interrupted_export(tmp_path) -> None:
     """An export interrupted mid-file leaves ``model*.safetensors.tmp`` files; the next
     export into the same directory must remove them with the earlier export's weights (they

@@ -52,6 +52,10 @@ DTYPE_CODES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",  # (the safetensors library reads these as torch does: a complex64
+    torch.uint16: "U16",     # parameter or a uint16 buffer refused a save, naming a file's
+    torch.uint32: "U32",     # tensor instead, a probe)
+    torch.uint64: "U64",
 }
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fzero.checkpoint import record
-from fzero.checkpoint.files import TensorSpec, fsync_dir, write_file
+from fzero.checkpoint.files import DTYPE_CODES, TensorSpec, fsync_dir, write_file
 from fzero.checkpoint.manifest import (
     MANIFEST,
     PARTIAL_SUFFIX,
@@ -85,6 +85,7 @@ def save(
     if not isinstance(state, ShardState):
         raise TypeError(f"save needs a ShardState (from fzero.init or fzero.load), got "
                         f"{type(state).__name__}")
+    _check_storable(state)
     comm = state.config.comm
     bad_extra: TypeError | None = None
     try:
@@ -207,6 +208,21 @@ def save(
         failure = _publish(manifest, path, partial)
     if _share(comm, _OK if failure is None else _FAILED)[0] != _OK:
         raise CheckpointError(failure or f"rank 0 could not publish {path}: see its error")
+
+
+def _check_storable(state: ShardState) -> None:
+    """Raise, naming them, if parameters or buffers have a dtype no safetensors file holds
+    (complex128, complex32...): the file's own error named the bucket's tensor ('params.0').
+    Every rank holds the same dtypes, so every rank raises, before any collective."""
+    bad = [f"{entry.name} ({bucket.dtype})" for bucket in state.layout.buckets
+           if bucket.torch_dtype not in DTYPE_CODES for entry in bucket.entries]
+    bad += [f"{name} ({str(b.dtype).removeprefix('torch.')}, a buffer)"
+            for name, b in state.buffers.items() if b.dtype not in DTYPE_CODES]
+    if bad:
+        raise TypeError(
+            f"save: {bad[:5]}{' ...' if len(bad) > 5 else ''} have a dtype no safetensors "
+            f"file holds; nothing was written. Store such a tensor as one of another dtype "
+            f"(a complex128 one as float64 of shape (..., 2), torch.view_as_real)")
 
 
 def new_save_id() -> str:
