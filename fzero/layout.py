@@ -532,19 +532,48 @@ def _check_no_partial_overlap(tensors: Mapping[str, torch.Tensor]) -> None:
 
 def _named_tensors(params: Mapping[str, Any] | nn.Module) -> dict[str, torch.Tensor]:
     if isinstance(params, nn.Module):
-        return dict(params.named_parameters(remove_duplicate=False))
-    if not isinstance(params, Mapping):
+        flat = dict(params.named_parameters(remove_duplicate=False))
+    elif not isinstance(params, Mapping):
         raise TypeError(
             f"params must be an nn.Module or a mapping of names to tensors, "
             f"got {type(params).__name__}"
         )
-    flat = flatten_names(params)
+    else:
+        flat = flatten_names(params)
     for name, value in flat.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"parameter {name!r} is a {type(value).__name__}, expected a torch.Tensor"
             )
+        _check_storable(name, value)
     return flat
+
+
+def _check_storable(name: str, tensor: torch.Tensor) -> None:
+    """Raise, naming the parameter, unless `tensor` is a dense strided tensor of a dtype whose
+    elements can be copied into a flat buffer and padded (sparse, nested, MKL-DNN and
+    quantized tensors, and the bit-packed dtypes, failed deep inside `plan` or `shard` with
+    torch's own errors: a probe)."""
+    kind = ("nested" if tensor.is_nested else "MKL-DNN" if tensor.is_mkldnn
+            else "quantized" if tensor.is_quantized
+            else None if tensor.layout == torch.strided else "sparse")
+    if kind is not None:
+        raise TypeError(
+            f"parameter {name!r} is a {kind} tensor ({tensor.layout}); fzero stores dense "
+            f"strided tensors, flattened into buckets: convert it (e.g. .to_dense(), "
+            f"dequantize) or keep it out of the parameters")
+    if tensor.dtype in _PACKED_DTYPES:
+        raise TypeError(
+            f"parameter {name!r} has dtype {tensor.dtype}, whose elements pack several values "
+            f"or carry no arithmetic; fzero cannot pad a flat buffer of it: store it as "
+            f"uint8 (tensor.view(torch.uint8)) and view it back in forward")
+
+
+_PACKED_DTYPES = frozenset(
+    getattr(torch, name) for name in (
+        "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16", "float4_e2m1fn_x2")
+    if hasattr(torch, name))
+"""Dtypes a flat buffer cannot be padded in (torch implements no fill for them)."""
 
 
 def _trainable_predicate(

@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import os
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -197,6 +198,13 @@ def run_case(comm: Comm, case: Case, root: str) -> tuple[str, str, list[str]]:
 # Helpers the rows use
 
 
+def _quantized() -> Tensor:
+    """A qint8 tensor (torch warns that such tensors are deprecated)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8)
+
+
 def meta_module(model: nn.Module) -> nn.Module:
     return model.to("meta")
 
@@ -283,6 +291,17 @@ CASES = [
     Case("plan: params an int", lambda c: fzero.plan(3, 2), TE, "params must be an nn.Module"),
     Case("plan: a leaf is a list", lambda c: fzero.plan({"w": [1.0]}, 2), TE,
          "parameter 'w' is a list"),
+    Case("plan: a sparse leaf", lambda c: fzero.plan({"s": torch.eye(3).to_sparse()}, 2), TE,
+         "parameter 's' is a sparse tensor"),
+    Case("plan: a nested leaf", lambda c: fzero.plan(
+        {"n": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)],
+                                         layout=torch.jagged)}, 2), TE,
+         "parameter 'n' is a nested tensor"),
+    Case("plan: a quantized leaf", lambda c: fzero.plan({"q": _quantized()}, 2), TE,
+         "parameter 'q' is a quantized tensor"),
+    Case("plan: a bit-packed leaf", lambda c: fzero.plan(
+        {"b": torch.zeros(3, dtype=torch.int16).view(torch.bits16)}, 2), TE,
+         "parameter 'b' has dtype torch.bits16"),
     Case("plan: a name is not a str", lambda c: fzero.plan({1: torch.zeros(2)}, 2), TE,
          "parameter names must be str"),
     Case("plan: integer parameter marked trainable",
