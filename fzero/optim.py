@@ -54,7 +54,9 @@ __all__ = [
 ]
 
 Schedule = Callable[[int], float]
-"""A learning rate as a function of the 1-based step."""
+"""A learning rate as a function of the 1-based step: the number of the update it computes, so
+a step skipped for a non-finite gradient (fp16 loss scaling) does not advance it (a torch loop
+that calls ``scheduler.step()`` every iteration runs one step ahead after each skip)."""
 Moments = dict[str, tuple[Tensor, ...]]
 """Optimizer state: name -> one tensor per parameter tensor. Names are checkpoint keys."""
 DecayRanges = Sequence[Sequence[tuple[int, int]]]
