@@ -512,12 +512,11 @@ class KeepsARow(nn.Module):
 
 
 class KeepsAnAlias(nn.Module):
-    """Takes a stop-gradient alias of ``a.weight`` (``how``: ``detach``, ``data``, or ``set_``,
-    over its storage, which no torch function sees) before
-    ``b`` runs and reads it after (``read``: a matmul, or elementwise, which torch does not
-    check against a released storage); each in its own bucket, ``a``'s is released between.
-    ``across_steps``: the alias is taken at the first step only, kept on the module and read at
-    every step."""
+    """Takes an alias of ``a.weight`` (``how``: ``detach``, ``data``, or ``set_`` over its
+    storage, which no torch function sees) before ``b`` runs and reads it after (``read``: a
+    matmul, or elementwise, which torch does not check against a released storage); each in
+    its own bucket, ``a``'s is released between. ``across_steps``: the alias is taken at the
+    first step only, kept on the module and read at every step."""
 
     def __init__(self, how: str, read: str, seed: int = 0, across_steps: bool = False):
         super().__init__()
