@@ -47,9 +47,9 @@ a torch function given a parameter of a released bucket first gathers that bucke
 like any other, so every rank's collectives still agree). A released bucket's storage has zero
 bytes and torch does not check every read of it: without the guard such a read would return
 garbage or crash. A view of a parameter (``w[0]``, ``w.T``) counts as the parameter: the guard
-finds it through its ``_base``, and so does a stop-gradient alias (``.detach()``, ``.data``) the
-step took (`FullBuffers.alias`; one taken in an earlier step raises `OutsideOwnerError`: at
-stages 0-2 it holds that step's values). A read the guard cannot see (an alias made outside
+finds it through its ``_base``, and so does a stop-gradient alias (``.detach()``, ``.data``) a
+step took, in that step or a later one (`FullBuffers.alias`: it views the parameter's current
+values, as in torch). A read the guard cannot see (an alias made outside
 torch functions: through NumPy, DLPack or ``Tensor.set_``) raises `OutsideOwnerError` where
 torch notices the released storage, naming the module and the candidates. The mode
 costs a Python round trip per torch call, so it is entered around the user's forward and
@@ -63,6 +63,7 @@ import collections
 import contextlib
 import functools
 import inspect
+import sys
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, ParamSpec, TypeVar
@@ -167,10 +168,9 @@ class FullBuffers:
                           for leaf in leaves}
         self.nbytes = [f.numel() * f.element_size() for f in self.full]  # each, gathered
         self._storages = [flat.untyped_storage()._cdata for flat in self.full]
-        # Stop-gradient aliases of parameters (``w.detach()``, ``w.data``) taken in a step's
-        # forward or backward: id -> (bucket, the step that took it), while the alias lives.
-        self.aliases: dict[int, tuple[int, int]] = {}
-        self.steps = 0  # steps begun
+        # Stop-gradient aliases of parameters (``w.detach()``, ``w.data``) taken in the steps'
+        # forwards and backwards: id -> bucket, while the alias lives.
+        self.aliases: dict[int, int] = {}
 
     def replaced(self) -> list[str]:
         """The parameters whose leaf no longer views its bucket's buffer: forward replaced its
@@ -190,37 +190,25 @@ class FullBuffers:
 
     def begin(self) -> None:
         """Before a step: no leaf holds a gradient, whatever a failed step left there."""
-        self.steps += 1
         for leaves in self.leaves:
             for leaf in leaves:
                 leaf.grad = None
 
     def alias(self, tensor: Tensor, index: int) -> None:
-        """`tensor` is a stop-gradient alias of a parameter of bucket `index`, taken in this
-        step: a later read of it gathers the bucket, as a read of the parameter does."""
+        """`tensor` is a stop-gradient alias of a parameter of bucket `index`, taken in a
+        step: a later read of it, in that step or a later one, gathers the bucket, as a read of
+        the parameter does (it views the parameter's current values, as in torch and at
+        stages 0-2, where the update writes the memory it views)."""
         key = id(tensor)
-        self.aliases[key] = (index, self.steps)
+        self.aliases[key] = index
         weakref.finalize(tensor, self.aliases.pop, key, None)
 
     def alias_bucket(self, tensor: Tensor) -> int | None:
         """The bucket whose memory `tensor` (or the tensor it views) aliases, when it is a
-        stop-gradient alias taken in this step; one taken in an earlier step raises (at stages
-        0-2 it keeps the values of that step, here they would be today's, or freed)."""
-        found = self.aliases.get(id(tensor))
-        if found is None:
-            base = tensor._base
-            if base is None or (found := self.aliases.get(id(base))) is None:
-                return None
-        index, step = found
-        if step != self.steps:
-            offset = tensor.storage_offset()
-            names = [entry.name for entry in self.layout.buckets[index].entries
-                     if entry.offset <= offset < entry.end] or ["?"]
-            raise OutsideOwnerError(
-                f"stage 3: a stop-gradient alias (.detach() or .data) of parameter "
-                f"{names[0]!r}, taken in an earlier step, was read in this one: it no longer "
-                f"holds that step's values (stages 0-2 read the values it was taken with). "
-                f"Take the alias again where you read it.")
+        stop-gradient alias a step took, else None."""
+        index = self.aliases.get(id(tensor))
+        if index is None and tensor._base is not None:
+            index = self.aliases.get(id(tensor._base))
         return index
 
 
@@ -635,9 +623,13 @@ class Residency:
         non-reentrant checkpointed region: the region's forward (a step's forward, or a
         reentrant region's recomputation, whose graph its own backward runs), not the
         region's recomputation (whose graph is never differentiated: the forward's graph
-        reads the tensors it saves)."""
+        reads the tensors it saves), nor the forward of a region nested in one being
+        recomputed (its hooks are on top then: counted, its reads held their buckets to the
+        end of backward, one more per enclosing region recomputed, a probe)."""
         top = self._foreign_hooks()
-        return top is not None and not _qualname(top[1]).startswith(_RECOMPUTATION_HOOKS)
+        if top is None or _qualname(top[1]).startswith(_RECOMPUTATION_HOOKS):
+            return False
+        return not (self.recomputing and _inside_recomputation())
 
     def _unpin_after_backward(self, module: nn.Module, buckets: list[int], args: Any,
                               kwargs: Any, *, counted: bool = False) -> None:
@@ -849,6 +841,9 @@ _READ = object()
 """The holder of `Residency.read`'s pins during recomputation, which the nodes that read the
 bucket drop when they have run (`Residency.await_reads`)."""
 
+_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+"""The module whose hooks recompute non-reentrant regions (`_inside_recomputation`)."""
+
 _RECOMPUTATION_HOOKS = "_recomputation_hook."
 """How the qualified names of torch.utils.checkpoint's hooks for a non-reentrant region's
 recomputation begin."""
@@ -957,6 +952,19 @@ class _Guard(TorchFunctionMode):
 
 def _qualname(function: Any) -> str:
     return getattr(function, "__qualname__", "")
+
+
+def _inside_recomputation() -> bool:
+    """Whether torch.utils.checkpoint recomputes a non-reentrant region further up this
+    thread's stack: its saved-tensor unpack hook runs the region's function again (the only
+    trace it leaves: saved-tensor hooks show only the innermost, a nested region's own)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "unpack_hook" and (
+                frame.f_globals.get("__name__") == _CHECKPOINT_MODULE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _node_of(result: Any) -> Any:

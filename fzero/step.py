@@ -1252,9 +1252,10 @@ class _ShardedSession:
         for index in self.state.trainable:
             if index not in touched:  # never gathered: no leaf of it is in the graph
                 self.completion.force(index)
+        path = loss.requires_grad  # (without one: zero gradients, see `_no_path`)
         with self.residency.guard(model), self.completion.backward():
             try:
-                if loss.requires_grad:  # (without: zero gradients, see `_no_path`)
+                if path:
                     backward_under_guard(loss * factor)
             except RuntimeError as error:
                 explained = self.residency.explain(error, model)

@@ -14,6 +14,7 @@ from rounding: the tests hold float64 to 1e-12.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -258,6 +259,74 @@ class NestedReentrantMisuse(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return checkpoint(self.outer, torch.tanh(self.p2(x)), use_reentrant=True)
+
+
+class ReadsAParameter(nn.Module):
+    """A block whose forward reads a parameter it is given (``h @ p.T``), not its own."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: Tensor, p: Tensor) -> Tensor:
+        return x + 0.1 * (torch.tanh(self.fc(x)) @ p.T)[..., : x.shape[-1]]
+
+
+class Holder(nn.Module):
+    """A parameter of its own (a bucket of its own under `NestedRegions.policy`)."""
+
+    def __init__(self, rows: int, width: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(rows, width) * 0.05)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + 0.1 * (x @ self.w.T)[..., : x.shape[-1]]
+
+
+class NestedRegions(nn.Module):
+    """`pairs` non-reentrant regions, each around two blocks that read a large parameter of
+    their own (`ps`), each block in a non-reentrant region nested in it (`nested`); a large
+    layer (`bigs`) between the regions."""
+
+    def __init__(self, pairs: int, nested: bool, width: int = 8, rows: int = 512,
+                 vocab: int = 32, seed: int = 0):
+        super().__init__()
+        with seeded(seed):
+            self.emb = nn.Embedding(vocab, width)
+            self.ps = nn.ModuleList(Holder(rows, width) for _ in range(2 * pairs))
+            self.blocks = nn.ModuleList(ReadsAParameter(width) for _ in range(2 * pairs))
+            self.bigs = nn.ModuleList(Holder(rows, width) for _ in range(pairs))
+            self.head = nn.Linear(width, vocab)
+        self.nested = nested
+        self.double()
+
+    @staticmethod
+    def policy(module: nn.Module) -> bool:
+        return isinstance(module, Holder | ReadsAParameter)
+
+    def pair(self, x: Tensor, i: int) -> Tensor:
+        for j in (2 * i, 2 * i + 1):
+            block = functools.partial(self.blocks[j], p=self.ps[j].w)
+            x = checkpoint(block, x, use_reentrant=False) if self.nested else block(x)
+        return x
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.emb(idx)
+        for i, big in enumerate(self.bigs):
+            x = big(checkpoint(self.pair, x, i, use_reentrant=False))
+        return self.head(x)
+
+
+def token_loss(call: Callable[..., Tensor], batch: tuple[Tensor, Tensor]) -> Tensor:
+    idx, target = batch
+    return F.cross_entropy(call(idx).flatten(0, 1), target.flatten())
+
+
+def token_batches(count: int, rows: int = 4, length: int = 5, vocab: int = 32
+                  ) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, vocab, (rows, length), generator=gen),
+             torch.randint(0, vocab, (rows, length), generator=gen)) for _ in range(count)]
 
 
 class SharedInRegions(nn.Module):
