@@ -213,10 +213,11 @@ def init_distributed(
         else:
             store = dist.TCPStore(str(env.master_addr), int(env.master_port or 0),
                                   is_master=env.rank == 0, timeout=timeout,
-                                  wait_for_workers=False)
-            _agree_on_world_size(store, env, timeout)
-            dist.init_process_group(store=store, rank=env.rank, world_size=env.world_size,
-                                    **kwargs)
+                                  wait_for_workers=False, multi_tenant=True)  # (as torch's:
+            # a second group in this process shares the server the first one's store runs)
+            group = _agree_on_world_size(store, env, timeout)
+            dist.init_process_group(store=dist.PrefixStore(f"fzero/{group}", store),
+                                    rank=env.rank, world_size=env.world_size, **kwargs)
     except dist.DistStoreError as exc:  # the rendezvous timed out: not every rank came
         raise RuntimeError(_rendezvous_help(env, timeout)) from exc
     except dist.DistNetworkError as exc:  # this rank could not reach or open the store
@@ -225,42 +226,73 @@ def init_distributed(
 
 
 _WORLD_KEY = "fzero/world_size/"
-"""Store keys of `_agree_on_world_size`: each rank's world size, rank 0's verdict, the count of
-ranks that read it."""
+"""Store keys of `_agree_on_world_size`: each rank's world size, a mismatch a rank found,
+rank 0's verdict, and the count of ranks that read it."""
 
 
-def _agree_on_world_size(store: dist.Store, env: LaunchEnv, timeout: timedelta) -> None:
-    """Raise on every rank when ranks read different world sizes from their environment.
+def _agree_on_world_size(store: dist.Store, env: LaunchEnv, timeout: timedelta) -> int:
+    """Raise on every rank when ranks read different world sizes from their environment; else
+    return the number of this group among those the store's server has seen, the same on
+    every rank.
 
     Torch's rendezvous would let each rank wait for as many peers as it read: those that read
     more wait out the timeout, and rank 0 passes and hangs in the backend's first connection
     (a gloo timeout long after, with a hint about srun that did not apply: a probe). Here every
-    rank writes what it read; rank 0 compares them and publishes its verdict, which each rank
-    reads (and acknowledges, so that rank 0, whose process serves the store, outlives it)."""
+    rank writes what it read; a rank that reads another size than rank 0's says so at once;
+    rank 0 compares what arrives and publishes its verdict, which each rank reads and
+    acknowledges. Rank 0 then deletes the keys, so that a later group in the same processes
+    (which share the store's server) agrees afresh; the group's number keeps the backend's own
+    keys apart from an earlier group's too (a second ``with fzero.distributed()`` read a dead
+    group's addresses and hung in gloo's connection: a probe). Ranks beyond the world rank 0
+    read cannot be waited for: they raise, and the others run as the world rank 0 read."""
     variable = "SLURM_NTASKS" if env.launcher == "slurm" else "WORLD_SIZE"
+    verdict_key, mismatch_key, read_key = (f"{_WORLD_KEY}{name}"
+                                           for name in ("verdict", "mismatch", "read"))
     store.set(f"{_WORLD_KEY}{env.rank}", str(env.world_size))
     if env.rank != 0:
         first = int(store.get(f"{_WORLD_KEY}0"))
-        verdict = store.get(f"{_WORLD_KEY}verdict").decode() if first == env.world_size else (
-            f"this rank ({env.rank}) read {variable}={env.world_size} but rank 0 read "
-            f"{variable}={first}")
-        store.add(f"{_WORLD_KEY}read", 1)
-        if verdict:
+        if first != env.world_size:
+            verdict = (f"rank {env.rank} read {variable}={env.world_size} but rank 0 read "
+                       f"{variable}={first}")
+            store.set(mismatch_key, verdict)
+        else:
+            verdict = store.get(verdict_key).decode()
+        store.add(read_key, 1)
+        if not verdict.startswith(_AGREED):
             raise RuntimeError(_WORLD_HELP.format(verdict=verdict))
-        return
+        return int(verdict.removeprefix(_AGREED))
     others = [f"{_WORLD_KEY}{r}" for r in range(1, env.world_size)]
-    store.wait(others, timeout)  # (a rank missing: DistStoreError, the rendezvous' help)
-    read = {r: int(store.get(key)) for r, key in enumerate(others, start=1)}
-    differ = {r: n for r, n in read.items() if n != env.world_size}
-    verdict = "" if not differ else (
-        f"rank 0 read {variable}={env.world_size} but rank(s) {sorted(differ)} read "
-        f"{sorted(set(differ.values()))}")
-    store.set(f"{_WORLD_KEY}verdict", verdict)
-    if verdict:
-        deadline = time.monotonic() + min(timeout.total_seconds(), 10.0)
-        while store.add(f"{_WORLD_KEY}read", 0) < len(others) and time.monotonic() < deadline:
-            time.sleep(0.01)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(others) and not store.check([mismatch_key]):
+        if time.monotonic() > deadline:  # a rank missing: the rendezvous' help
+            raise dist.DistStoreError(f"wait timeout after {timeout}, keys: {others}")
+        time.sleep(0.01)
+    if store.check([mismatch_key]):
+        verdict = store.get(mismatch_key).decode()
+    else:
+        read = {r: int(store.get(key)) for r, key in enumerate(others, start=1)}
+        differ = {r: n for r, n in read.items() if n != env.world_size}
+        verdict = f"{_AGREED}{store.add(f'{_WORLD_KEY}groups', 1)}" if not differ else (
+            f"rank 0 read {variable}={env.world_size} but rank(s) {sorted(differ)} read "
+            f"{sorted(set(differ.values()))}")
+    store.set(verdict_key, verdict)
+    agreed = verdict.startswith(_AGREED)
+    # Every rank that came reads the verdict before rank 0 deletes it (or, raising, exits
+    # and takes the store's server with it).
+    deadline = time.monotonic() + timeout.total_seconds()
+    expected = len(others) if agreed else sum(store.check([k]) for k in others)
+    while store.add(read_key, 0) < expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for key in (*others, f"{_WORLD_KEY}0", verdict_key, mismatch_key, read_key):
+        store.delete_key(key)
+    if not agreed:
         raise RuntimeError(_WORLD_HELP.format(verdict=verdict))
+    return int(verdict.removeprefix(_AGREED))
+
+
+_AGREED = "agreed: group "
+"""How rank 0's verdict begins when every rank read its world size (the group's number
+follows)."""
 
 
 _WORLD_HELP = (

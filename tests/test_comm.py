@@ -945,36 +945,76 @@ except RuntimeError as exc:
 """
 
 
+def _start_ranks(script: str, names: tuple[str, str, str], sizes: dict[int, str]
+                 ) -> list[subprocess.Popen[str]]:
+    """One process per rank of `sizes` (rank -> the world size it reads) running `script`,
+    with the launcher variables `names` (rank, world size, local rank) set by hand."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return [subprocess.Popen(
+        [sys.executable, "-c", script],
+        env={**base, names[0]: str(rank), names[1]: size, names[2]: "0",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank, size in sizes.items()]
+
+
 @pytest.mark.parametrize("launcher", ["slurm", "torchrun"])
 def test_ranks_that_read_different_world_sizes_are_told_so_at_once(launcher: str) -> None:
     """Ranks 0-2 of a job, one of which read a larger world size (a WORLD_SIZE or SLURM_NTASKS
     exported by hand): every rank raises within seconds, naming what each read. Torch's
     rendezvous let rank 0 pass and hang in gloo's first connection, and the others wait out
     their timeout (75 s with a 15 s timeout, with a hint about srun that did not apply)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     names = (("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if launcher == "slurm"
              else ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     variable = names[1]
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in (
-                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    sizes = {0: "3", 1: "4", 2: "3"}
     start = time.monotonic()
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", _DISAGREEING_RANK],
-        env={**base, names[0]: str(rank), names[1]: size, names[2]: "0",
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank, size in sizes.items()]
+    procs = _start_ranks(_DISAGREEING_RANK, names, {0: "3", 1: "4", 2: "3"})
     outs = [p.communicate(timeout=60)[0] for p in procs]
     assert time.monotonic() - start < 15, outs
     assert [p.returncode for p in procs] == [3, 3, 3], outs
-    assert f"rank 0 read {variable}=3 but rank(s) [1] read [4]" in outs[0], outs[0]
-    assert f"this rank (1) read {variable}=4 but rank 0 read {variable}=3" in outs[1], outs[1]
-    assert f"rank 0 read {variable}=3 but rank(s) [1] read [4]" in outs[2], outs[2]
+    told = (f"rank 0 read {variable}=3 but rank(s) [1] read [4]",  # rank 0 compared them all
+            f"rank 1 read {variable}=4 but rank 0 read {variable}=3")  # or heard from rank 1
+    assert told[1] in outs[1], outs[1]
+    assert all(any(text in out for text in told) for out in outs), outs
     assert all("disagree on its world size" in out for out in outs)
+    # Rank 0 reads the larger size: it waited its whole timeout for a rank that never comes,
+    # while the rank that read less knew at once (a probe); it now hears so from that rank.
+    start = time.monotonic()
+    procs = _start_ranks(_DISAGREEING_RANK, names, {0: "3", 1: "2"})
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert time.monotonic() - start < 15, outs
+    assert [p.returncode for p in procs] == [3, 3], outs
+    assert all(f"rank 1 read {variable}=2 but rank 0 read {variable}=3" in out
+               for out in outs), outs
+
+
+_TWO_GROUPS = """
+from datetime import timedelta
+import torch
+import fzero
+for block in range(2):
+    with fzero.distributed(backend="gloo", timeout=timedelta(seconds=20)) as comm:
+        x = torch.ones(1)
+        comm.all_reduce(x, op="sum")
+        print(f"block {block}: {x.item()}", flush=True)
+"""
+
+
+def test_a_second_group_in_the_same_processes_rendezvouses_afresh() -> None:
+    """Two ``with fzero.distributed()`` blocks in a row in the same two processes, on the same
+    port: rank 0's first store (kept by the first block's comm) serves the second group too,
+    and neither the world-size agreement's keys nor gloo's of the first group may leak into
+    the second (rank 0 could not open a second server, and a rank read the first group's keys
+    and hung in gloo's connection: a probe)."""
+    procs = _start_ranks(_TWO_GROUPS, ("RANK", "WORLD_SIZE", "LOCAL_RANK"), {0: "2", 1: "2"})
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("block 0: 2.0" in out and "block 1: 2.0" in out for out in outs), outs
 
 
 def test_init_distributed_names_missing_variable(bare_env: pytest.MonkeyPatch) -> None:
