@@ -277,14 +277,14 @@ def _agree_on_world_size(store: dist.Store, env: LaunchEnv, timeout: timedelta) 
             f"{sorted(set(differ.values()))}")
     store.set(verdict_key, verdict)
     agreed = verdict.startswith(_AGREED)
-    # Every rank that came reads the verdict before rank 0 deletes it (or, raising, exits
-    # and takes the store's server with it).
-    deadline = time.monotonic() + timeout.total_seconds()
-    expected = len(others) if agreed else sum(store.check([k]) for k in others)
-    while store.add(read_key, 0) < expected and time.monotonic() < deadline:
+    # Every rank reads the verdict before rank 0 deletes it (or, raising, exits and takes the
+    # store's server with it); after a mismatch, a rank still missing gets a grace period.
+    grace = timeout.total_seconds() if agreed else min(timeout.total_seconds(), 10.0)
+    deadline = time.monotonic() + grace
+    while store.add(read_key, 0) < len(others) and time.monotonic() < deadline:
         time.sleep(0.01)
-    for key in (*others, f"{_WORLD_KEY}0", verdict_key, mismatch_key, read_key):
-        store.delete_key(key)
+    for key in (*others, verdict_key, mismatch_key, read_key):  # (rank 0's own stays, for a
+        store.delete_key(key)  # rank beyond its world that comes late: it raises at once)
     if not agreed:
         raise RuntimeError(_WORLD_HELP.format(verdict=verdict))
     return int(verdict.removeprefix(_AGREED))
