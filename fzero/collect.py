@@ -40,7 +40,7 @@ from torch import Tensor
 
 from fzero.comm import Comm, Work, check_comm, fingerprint_check
 from fzero.flat import unflatten
-from fzero.layout import Bucket, ShardLayout, check_dtypes, flatten_names
+from fzero.layout import Bucket, ShardLayout, check_dtypes, differentiable, flatten_names
 
 __all__ = [
     "Collectives",
@@ -426,7 +426,7 @@ def collectives(
         pending = []
         for i in indices:
             bucket = layout.buckets[i]
-            if not _has_gradients(bucket.torch_dtype):
+            if not differentiable(bucket.torch_dtype):
                 pending.append(_Ready(torch.zeros(bucket.shard_numel, dtype=bucket.torch_dtype,
                                                   device=device)))
                 continue
@@ -479,7 +479,7 @@ class _GatherBuckets(torch.autograd.Function):
         pending = []
         for index, flat in zip(info.indices, flat_grads, strict=True):
             bucket = info.layout.buckets[index]
-            if not ctx.needs_input_grad[1 + index] or not _has_gradients(bucket.torch_dtype):
+            if not ctx.needs_input_grad[1 + index] or not differentiable(bucket.torch_dtype):
                 continue  # a shard that does not require grad (frozen) gets none, unsent
             dtype = info.reduce_dtype or bucket.torch_dtype
             if flat is None:  # every rank takes part: a missing gradient is a zero gradient
@@ -493,12 +493,6 @@ class _GatherBuckets(torch.autograd.Function):
 
 
 # --- helpers ---------------------------------------------------------------------------------
-
-
-def _has_gradients(dtype: torch.dtype) -> bool:
-    """Whether parameters of `dtype` have gradients: floating and complex ones (a complex
-    shard's gradient was dropped, silently: a probe)."""
-    return dtype.is_floating_point or dtype.is_complex
 
 
 class _Ready(NamedTuple):
@@ -576,7 +570,7 @@ def _check_grads(
                 f"{device}: move it there first"
             )
         dtype = layout.buckets[located[name][0]].torch_dtype
-        if not _has_gradients(dtype):
+        if not differentiable(dtype):
             raise ValueError(
                 f"gradient given for {name!r}, a {entry.dtype} parameter: integer and bool "
                 f"parameters have no gradient (their shards come back as zeros)"

@@ -40,6 +40,7 @@ __all__ = [
     "ShardLayout",
     "TRAINING_DTYPES",
     "check_dtypes",
+    "differentiable",
     "first_overlap",
     "flatten_names",
     "in_memory",
@@ -325,7 +326,7 @@ class ShardLayout:
                 if not isinstance(trainable, bool):
                     raise ValueError(f"bucket {raw['label']!r}: trainable must be true or "
                                      f"false, got {trainable!r}")
-                if trainable and not (torch_dtype.is_floating_point or torch_dtype.is_complex):
+                if trainable and not differentiable(torch_dtype):
                     raise ValueError(f"bucket {raw['label']!r} is trainable but of dtype "
                                      f"{dtype}")
                 entries = tuple(
@@ -431,7 +432,7 @@ def plan(
     is_trainable = _trainable_predicate(trainable, tensors, aliases)
     for name in stored:
         tensor = tensors[name]
-        if is_trainable(name) and not (tensor.is_floating_point() or tensor.is_complex()):
+        if is_trainable(name) and not differentiable(tensor.dtype):
             raise ValueError(
                 f"parameter {name!r} is trainable but has dtype {tensor.dtype}; only floating "
                 f"point parameters can train (mark it frozen with requires_grad=False or "
@@ -465,6 +466,12 @@ def flatten_names(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def differentiable(dtype: torch.dtype) -> bool:
+    """Whether parameters of `dtype` have gradients (and so may be trainable): floating and
+    complex ones, not integer or bool ones."""
+    return dtype.is_floating_point or dtype.is_complex
 
 
 def _tie_key(tensor: torch.Tensor) -> object:
