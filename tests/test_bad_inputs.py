@@ -199,10 +199,16 @@ def run_case(comm: Comm, case: Case, root: str) -> tuple[str, str, list[str]]:
 
 
 def _quantized() -> Tensor:
-    """A qint8 tensor (torch warns that such tensors are deprecated)."""
+    """A qint8 tensor (torch warns that such tensors are deprecated). Made once, on the main
+    thread at import: warnings filters are process-wide, so a `catch_warnings` in one SimWorld
+    rank's thread can restore the "error" filter while the other rank's is creating its tensor
+    (CI saw torch's deprecation warning escape that way)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8)
+
+
+QUANTIZED = _quantized()
 
 
 def meta_module(model: nn.Module) -> nn.Module:
@@ -297,7 +303,7 @@ CASES = [
         {"n": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)],
                                          layout=torch.jagged)}, 2), TE,
          "parameter 'n' is a nested tensor"),
-    Case("plan: a quantized leaf", lambda c: fzero.plan({"q": _quantized()}, 2), TE,
+    Case("plan: a quantized leaf", lambda c: fzero.plan({"q": QUANTIZED}, 2), TE,
          "parameter 'q' is a quantized tensor"),
     Case("plan: a bit-packed leaf", lambda c: fzero.plan(
         {"b": torch.zeros(3, dtype=torch.int16).view(torch.bits16)}, 2), TE,

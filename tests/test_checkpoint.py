@@ -11,7 +11,9 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -1194,6 +1196,15 @@ def test_interrupted_save_is_ignored_and_cleaned(tmp_path) -> None:
                                               r"manifest.json \(it holds checkpoints, the "
                                               r"newest .*step-000005: a run's directory\?"):
         read_manifest(root)
+    # ... with a damaged one among them: skipped without a word and without touching the
+    # warnings filters, which are process-wide (a catch_warnings here raced other threads')
+    (root / "step-000005" / "manifest.json").write_text("{ truncated")
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught, \
+            mock.patch.object(warnings, "simplefilter", side_effect=AssertionError("touched")):
+        with pytest.raises(CheckpointError, match=r"the newest .*step-000003: a run's"):
+            read_manifest(root)
+    assert caught == [] and warnings.filters == filters
 
 
 def test_latest_says_when_it_skips_a_damaged_checkpoint(tmp_path) -> None:
@@ -1205,8 +1216,9 @@ def test_latest_says_when_it_skips_a_damaged_checkpoint(tmp_path) -> None:
                               str(root / f"step-{steps:06d}"), stage=1)
     (root / "step-000003" / "manifest.json").write_text("{ truncated")
     with pytest.warns(RuntimeWarning, match=r"latest: skipping .*step-000003, whose manifest "
-                                            r"cannot be read \(.*is not JSON"):
+                                            r"cannot be read \(.*is not JSON") as caught:
         assert latest(root) == str(root / "step-000001")
+    assert caught[0].filename == __file__  # (the warning points at the caller of latest)
 
 
 def test_overwrite_replaces_atomically(tmp_path) -> None:

@@ -25,7 +25,7 @@ import json
 import os
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,9 +305,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             looks = " (it has model.safetensors: an exported model, load it with from_pretrained " \
                     "or load_state_dict)"
         elif any(os.path.isfile(os.path.join(path, n, MANIFEST)) for n in names):
-            with warnings.catch_warnings():  # (a damaged one is only skipped here)
-                warnings.simplefilter("ignore", RuntimeWarning)
-                newest = latest(path)
+            newest = _newest(path, on_damaged=lambda damaged, error: None)  # (only skipped)
             looks = (f" (it holds checkpoints, the newest {newest}: a run's directory? "
                      f"fzero.checkpoint.latest(path) finds that one)") if newest else ""
         raise CheckpointError(f"{path} is not an fzero checkpoint: it has no {MANIFEST}{looks}")
@@ -335,6 +333,15 @@ def latest(root: str | os.PathLike[str]) -> str | None:
             f"latest: {root} is a checkpoint itself, not a directory of checkpoints (None "
             f"would have meant starting afresh): pass its parent, or load it directly"
         )
+    return _newest(root, on_damaged=lambda path, error: warnings.warn(
+        f"latest: skipping {path}, whose manifest cannot be read ({error})", RuntimeWarning,
+        stacklevel=4))  # (the lambda, _newest, latest, its caller)
+
+
+def _newest(root: str, on_damaged: Callable[[str, CheckpointError], None]) -> str | None:
+    """The complete checkpoint under `root` with the highest step; a damaged one is passed to
+    `on_damaged` and skipped (a callback, not a warnings filter: filters are process-wide, and
+    changing them for one call would change them for every thread)."""
     best: tuple[int, str] | None = None
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
@@ -343,8 +350,7 @@ def latest(root: str | os.PathLike[str]) -> str | None:
         try:
             step = read_manifest(path).step
         except CheckpointError as error:
-            warnings.warn(f"latest: skipping {path}, whose manifest cannot be read ({error})",
-                          RuntimeWarning, stacklevel=2)
+            on_damaged(path, error)
             continue
         if best is None or step >= best[0]:
             best = (step, path)
