@@ -17,6 +17,8 @@ import torch
 import fzero
 from fzero.checkpoint import CheckpointError, loading, offline, read_manifest
 
+from models import seeded
+
 LINEAR_BYTES = 4 * (4 * 3 + 3 + 3 * 2 + 2)  # fp32 Linear(4, 3) + Linear(3, 2): 92 bytes
 
 
@@ -255,10 +257,10 @@ class WithOddDtypes(torch.nn.Module):
 
     def __init__(self, complex_dtype: torch.dtype = torch.complex64) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(4, 3)
-        self.phase = torch.nn.Parameter(torch.randn(3, dtype=complex_dtype),
-                                        requires_grad=False)
+        with seeded(0):  # (built in SimWorld's rank threads: one seeded block at a time)
+            self.lin = torch.nn.Linear(4, 3)
+            self.phase = torch.nn.Parameter(torch.randn(3, dtype=complex_dtype),
+                                            requires_grad=False)
         self.register_buffer("counts", torch.tensor([1, 65535, 7], dtype=torch.uint16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -473,8 +475,7 @@ class _Rotary(torch.nn.Module):
 
     def __init__(self, theta: float) -> None:
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
+        with seeded(0):
             self.lin = torch.nn.Linear(3, 3)
         self.register_buffer("inv_freq", torch.full((3,), 1.0 / theta), persistent=False)
         self.register_buffer("count", torch.zeros((), dtype=torch.int64))  # persistent
