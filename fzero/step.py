@@ -57,7 +57,7 @@ from fzero.bound import (
 )
 from fzero.buckets import Completion, Reducer
 from fzero.collect import Pending, SideStreams, Streams, all_gather_bucket
-from fzero.comm import Comm, fingerprint_check
+from fzero.comm import CollectiveTimeout, Comm, fingerprint_check
 from fzero.consensus import (
     Header,
     HeaderRound,
@@ -755,6 +755,8 @@ def _run(
                         losses.append(loss)
                 except PeerFailed:  # a round showed another rank failed: stop with everyone
                     session.recover(last, peer=True)
+                except CollectiveTimeout:  # a rank is missing: a round to tell the others
+                    raise  # would wait out the timeout again (the others time out too)
                 except Exception as exc:  # every rank must learn of it: see _raise_if_failed
                     gate()  # unless the step could not start: then every rank raises that
                     failure = exc
