@@ -179,7 +179,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="write a from_pretrained directory here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--metrics-json", default=None, help="rank 0 writes the losses here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    sizes = ("n_layer", "d_model", "n_head", "steps", "batch_size", "seq_len")
+    small = [f"--{name.replace('_', '-')}" for name in sizes if getattr(args, name) < 1]
+    if small:
+        ap.error(f"{', '.join(small)} must be >= 1")
+    return args
 
 
 def train(comm, args: argparse.Namespace) -> dict:

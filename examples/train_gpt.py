@@ -293,8 +293,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="gloo ranks' transport (default pairwise; shm: shared memory, one host)")
     ap.add_argument("--metrics-json", default=None, help="rank 0 writes every rank's losses here")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.accum_steps < 1 or args.batch_size < 1:
-        ap.error("--steps, --batch-size and --accum-steps must be >= 1")
+    if min(args.steps, args.accum_steps, args.batch_size, args.seq_len) < 1:
+        ap.error("--steps, --batch-size, --accum-steps and --seq-len must be >= 1")
+    if min(args.save_every, args.stop_after, args.sample_bytes) < 0:
+        ap.error("--save-every, --stop-after and --sample-bytes must be >= 0 (0: never)")
     args.warmup_steps = min(args.warmup_steps, args.steps)
     if args.save_every and not args.resume:
         ap.error("--save-every needs --resume DIR: the directory checkpoints go to")

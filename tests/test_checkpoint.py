@@ -573,6 +573,17 @@ def test_an_export_of_a_bfloat16_run_says_bfloat16_in_its_config(tmp_path) -> No
             want).removeprefix("torch.")
         assert {p.dtype for p in reloaded.parameters()} == {want}
     assert meta.config.to_dict() == before
+    # A model built from a config names no class in it; save_pretrained's config.json names
+    # it, and so does the export's, which the export command takes back as --hf-model (its
+    # config.json had "architectures": null, and the command refused it: a probe).
+    assert meta.config.architectures is None
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"]
+    from fzero.checkpoint.__main__ import main
+
+    assert main(["export", path, str(tmp_path / "again"), "--hf-model",
+                 str(tmp_path / "bf16")]) == 0
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == config
 
 
 def test_the_export_command_writes_a_directory_from_pretrained_loads(tmp_path, capsys) -> None:
@@ -597,6 +608,15 @@ def test_the_export_command_writes_a_directory_from_pretrained_loads(tmp_path, c
         assert bitwise_equal(reloaded.get_parameter(name).detach(), value), name
     assert main(["export", path, str(tmp_path / "x"), "--hf-model", str(tmp_path)]) == 1
     assert "no config.json there" in capsys.readouterr().err
+    # a size of 0 bytes or less wrote one file per tensor (a probe)
+    for size in ("0", "-5", "nan"):
+        with pytest.raises(SystemExit):
+            main(["export", path, str(tmp_path / "y"), "--max-shard-size", size])
+        assert "--max-shard-size: a file holds more than 0 bytes" in capsys.readouterr().err
+    for size in (0, -5.0, float("nan"), True):
+        with pytest.raises(ValueError, match="max_shard_size must be a number of bytes > 0"):
+            fzero.checkpoint.export(path, tmp_path / "y", max_shard_size=size)
+    assert not (tmp_path / "y").exists()
 
 
 def test_export_into_an_earlier_export_replaces_its_weights(tmp_path) -> None:
@@ -1191,6 +1211,10 @@ def test_interrupted_save_is_ignored_and_cleaned(tmp_path) -> None:
                           stage=3)
     assert latest(root) == str(root / "step-000005")
     assert sorted(os.listdir(root)) == ["step-000001", "step-000003", "step-000005"]
+    # a file: None would have trained from scratch up to the first save under it (a probe)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CheckpointError, match=r"a-file is a file, not a directory of "):
+        latest(tmp_path / "a-file")
     # the run's directory given for a checkpoint: the message names the newest inside
     with pytest.raises(CheckpointError, match=r"run is not an fzero checkpoint: it has no "
                                               r"manifest.json \(it holds checkpoints, the "

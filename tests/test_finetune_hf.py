@@ -196,6 +196,15 @@ def test_a_wrong_model_directory_or_a_too_long_sequence_is_named(tmp_path: Path)
         fzero.SimWorld(1).run(ft.train, args)
 
 
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--seq-len", "--n-layer",
+                                  "--d-model", "--n-head"])
+def test_sizes_below_one_are_argument_errors(flag: str, capsys) -> None:
+    """``--steps 0`` crashed with UnboundLocalError after training nothing (a probe)."""
+    with pytest.raises(SystemExit) as info:
+        ft.parse_args([*TINY, flag, "0"])
+    assert info.value.code == 2 and f"{flag} must be >= 1" in capsys.readouterr().err
+
+
 def test_a_pattern_matching_a_tied_name_trains_the_tensor() -> None:
     """GPT-2's ``lm_head.weight`` is its ``transformer.wte.weight`` (tied): ``--train
     'lm_head.*'`` said "matches no parameter" (the names were listed without duplicates, a

@@ -175,3 +175,20 @@ def test_torchrun_on_the_gpu_trains_as_the_reference(tmp_path: Path) -> None:
     assert ours["device"].startswith("cuda"), ours
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--seq-len", "0"], "--seq-len must be >= 1"),  # trained on NaN losses to the end
+    (["--stop-after", "-2", "--resume", "r"], "--stop-after and --sample-bytes must be >= 0"),
+    (["--save-every", "-3", "--resume", "r"], "--stop-after and --sample-bytes must be >= 0"),
+    (["--sample-bytes", "-1"], "--stop-after and --sample-bytes must be >= 0"),
+])
+def test_train_gpt_refuses_sizes_below_their_bound(argv: list[str], said: str, capsys) -> None:
+    """Sizes that trained on NaN (``--seq-len 0``) or said "all 2 steps were taken already"
+    after none (``--stop-after -2``) are argument errors (a probe)."""
+    from train_gpt import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert said in capsys.readouterr().err

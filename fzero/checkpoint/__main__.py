@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -110,6 +111,17 @@ _world_size = _at_least_one("ranks", "a world size is")
 _bucket_cap = _at_least_one("elements", "a bucket holds")
 
 
+def _shard_size(text: str) -> float:
+    """An argparse type: a number of bytes above 0 (``5e9`` allowed)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"a file holds more than 0 bytes, got {text}")
+    return value
+
+
 def _meta_hf_model(directory: str) -> torch.nn.Module:
     """The Hugging Face model of `directory`'s config.json, built on `meta` (names, ties and
     config only: no weights are read)."""
@@ -122,8 +134,10 @@ def _meta_hf_model(directory: str) -> torch.nn.Module:
     architectures = getattr(config, "architectures", None) or []
     cls = getattr(transformers, architectures[0], None) if architectures else None
     if cls is None:
-        raise CheckpointError(f"--hf-model {directory}: its config.json names no model class "
-                              f"this transformers has (architectures={architectures})")
+        raise CheckpointError(
+            f"--hf-model {directory}: its config.json names no model class this transformers "
+            f"has (architectures={architectures}; a config saved on its own names none: add "
+            f"the class, e.g. \"architectures\": [\"GPT2LMHeadModel\"])")
     with torch.device("meta"):
         return cls(config)
 
@@ -158,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("src")
     p.add_argument("out_dir")
     p.add_argument("--dtype", type=_dtype, default=None, help="as consolidate's --dtype")
-    p.add_argument("--max-shard-size", type=float, default=DEFAULT_MAX_SHARD_SIZE,
+    p.add_argument("--max-shard-size", type=_shard_size, default=DEFAULT_MAX_SHARD_SIZE,
                    help="bytes per file before splitting (default 5e9)")
     p.add_argument("--hf-model", metavar="DIR", default=None,
                    help="the Hugging Face model directory the run started from (its "

@@ -323,9 +323,13 @@ def latest(root: str | os.PathLike[str]) -> str | None:
 
     Raises:
         CheckpointError: `root` is a checkpoint itself (its subdirectories hold none, and a
-            resume would silently start afresh).
+            resume would silently start afresh), or a file.
     """
     root = os.fspath(root)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"latest: {root} is a file, not a directory of checkpoints "
+                              f"(None would have meant starting afresh, and the first save "
+                              f"under it failing)")
     if not os.path.isdir(root):
         return None
     if os.path.isfile(os.path.join(root, MANIFEST)):

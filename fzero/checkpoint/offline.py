@@ -144,6 +144,10 @@ def export(
     """
     path = os.fspath(path)
     out_dir = os.fspath(out_dir)
+    if isinstance(max_shard_size, bool) or not (
+            isinstance(max_shard_size, int | float) and max_shard_size > 0):
+        raise ValueError(f"export: max_shard_size must be a number of bytes > 0, got "
+                         f"{max_shard_size!r} (it would write one file per tensor)")
     manifest, pin = read_pinned(path)
     verify(path, manifest, checksums=verify_checksums, pin=pin)
     names = None if model is None else _model_keys(path, manifest, model)
@@ -182,21 +186,30 @@ def export(
         written.append(target)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
-        _config_for(config, tensors).save_pretrained(out_dir)
+        _config_for(config, tensors, type(model).__name__).save_pretrained(out_dir)
         written.append(os.path.join(out_dir, "config.json"))
     fsync_dir(out_dir)  # the renames themselves (each weights file was flushed before its own)
     return written
 
 
-def _config_for(config: Any, tensors: Sequence[_Tensor]) -> Any:
-    """A Hugging Face config whose ``dtype`` is the parameters' dtype as written (a meta model
-    built in float32 for a bfloat16 checkpoint said float32, and ``from_pretrained`` loaded
-    the bfloat16 weights as float32); the config itself is left alone."""
+def _config_for(config: Any, tensors: Sequence[_Tensor], model_class: str) -> Any:
+    """A Hugging Face config as ``save_pretrained`` would write it for these tensors: its
+    ``dtype`` the parameters' as written (a meta model built in float32 for a bfloat16
+    checkpoint said float32, and ``from_pretrained`` loaded the bfloat16 weights as float32),
+    and ``architectures`` naming the model's class where the config names none (a model built
+    from a config has none, and the export could not be given back as ``--hf-model``); the
+    config itself is left alone."""
     written = {t.spec.dtype for t in tensors if t.bucket >= 0 and t.spec.dtype.is_floating_point}
-    if len(written) != 1 or getattr(config, "dtype", None) in written:
+    dtype = written.pop() if len(written) == 1 else None
+    retype = dtype is not None and getattr(config, "dtype", None) != dtype
+    name = not getattr(config, "architectures", None)
+    if not (retype or name):
         return config
     saved = copy.deepcopy(config)
-    saved.dtype = written.pop()
+    if retype:
+        saved.dtype = dtype
+    if name:
+        saved.architectures = [model_class]
     return saved
 
 
