@@ -376,3 +376,11 @@ def test_a_shared_buffer_loads_into_a_meta_skeleton(stage: int, tmp_path) -> Non
     exported = load_file(str(out / "model.safetensors"))
     assert float(exported["a.count"]) == float(exported["b.count"]) == 2.0
     SharedCount().load_state_dict(exported, strict=True)
+    # without the model: every name too, as consolidate gives them (export dropped "b.count",
+    # and the strict load of its file failed: a probe)
+    assert float(fzero.consolidate(path)["b.count"]) == 2.0
+    fzero.checkpoint.export(path, str(out))
+    exported = load_file(str(out / "model.safetensors"))
+    assert exported.keys() == fzero.consolidate(path).keys()
+    assert float(exported["a.count"]) == float(exported["b.count"]) == 2.0
+    SharedCount().load_state_dict(exported, strict=True)

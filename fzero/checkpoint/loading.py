@@ -67,7 +67,11 @@ def load(
     """Load a checkpoint written by `fzero.save` into this rank's `ShardState` (a collective).
 
     Same world size, stage and buckets: the state is bitwise the saved one, and training on
-    continues exactly as the uninterrupted run. Anything else is resharded while loading.
+    continues exactly as the uninterrupted run (unless forward changes a non-persistent
+    buffer, which comes from `model`, see below). Anything else is resharded while loading.
+    Buffers: at the saved world size each rank gets its own (they differ under
+    ``buffers="local"``); at another, every rank gets saved rank 0's (as a DDP run's
+    checkpoint of rank 0's ``state_dict()``), and other ranks' local statistics are dropped.
 
     Args:
         path: the checkpoint directory.

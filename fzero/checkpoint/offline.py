@@ -57,7 +57,10 @@ def consolidate(
     """The full parameters and buffers of a checkpoint, as a plain state dict (offline).
 
     Tied parameters appear under every name, as the same tensor (``full_params`` does the
-    same). Memory: the output, plus nothing (values are read straight into it).
+    same), and so does a buffer registered under several names. Buffers are saved rank 0's
+    (under ``buffers="local"`` other ranks' differ: `fzero.load` at the saved world size
+    gives each rank its own). Memory: the output, plus nothing (values are read straight into
+    it).
 
     Args:
         path: the checkpoint directory.
@@ -360,11 +363,12 @@ class _Tensor(NamedTuple):
 def _plan_tensors(
     manifest: Manifest, names: Sequence[str] | None, dtype: torch.dtype | None
 ) -> list[_Tensor]:
-    """What to write, in order: every name of every parameter, then every buffer."""
+    """What to write, in order: every name of every parameter, then every buffer's (its
+    aliases last, as `consolidate`)."""
     located = manifest.layout.locate()
     buffer_owner = manifest.buffer_aliases
     if names is None:
-        names = [*located, *manifest.buffers]
+        names = [*located, *manifest.buffers, *buffer_owner]
     out = []
     for name in names:
         if name in located:

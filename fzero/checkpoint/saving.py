@@ -60,9 +60,10 @@ def save(
     """Save a training state as a sharded checkpoint directory (a collective).
 
     Each rank writes its shard of every parameter, master-copy and moment bucket, whatever its
-    stage kept whole (so every element is written once), plus its RNG states; rank 0 also
-    writes the buffers and the manifest. See the module's note: the checkpoint appears
-    atomically, once every rank has finished.
+    stage kept whole (so every element is written once), its buffers (under
+    ``buffers="local"`` each rank's differ) and its RNG states; rank 0 also writes the
+    manifest. See the module's note: the checkpoint appears atomically, once every rank has
+    finished.
 
     Args:
         state: this rank's state; every rank of its comm must call `save`.
