@@ -219,7 +219,10 @@ def make_train_step(
         agreement messages), ``state_bytes``, ``state_bytes_theory``,
         ``gathered_bytes_peak`` (stage 3's full buckets at their largest; 0 otherwise),
         ``grad_bytes_peak`` (stages 2-3: full bucket gradients being reduced, at their
-        largest) and ``unused`` (names of trainable parameters no rank used this step).
+        largest) and ``unused`` (names of trainable parameters no rank used this step);
+        with loss scaling (float16), ``loss_scale``: the scale after this step, the one the
+        next step uses (halved by a skipped step, as ``GradScaler.get_scale()`` after
+        ``update()``).
 
     Raises:
         ValueError: bad `accum_steps`, `clip_norm`, `prefetch` or `buffers`.
