@@ -1305,6 +1305,8 @@ class _ShardedSession:
         except PeerFailed:  # a gather round showed another rank failed (before any sequence)
             self._end_phase(ABORTED)
             out = None
+        except CollectiveTimeout:  # a rank is missing: no round can tell the others
+            raise
         except Exception:
             self._end_phase(FAILED)
             raise

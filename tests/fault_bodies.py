@@ -51,6 +51,31 @@ def stall_body(comm: Comm, stage: int, stalled: int, stall_s: float,
     return {"error": None, "after": time.monotonic() - t0}
 
 
+def stall_eval_body(comm: Comm, stage: int, stalled: int, stall_s: float) -> dict[str, Any]:
+    """Two eval steps; in the second, rank `stalled` stops taking part for `stall_s` seconds;
+    what each rank raised and when (seconds after the second step started)."""
+    model = MLP()
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+    calls = [0]
+
+    def fn(call: Any, batch: Any) -> Tensor:
+        calls[0] += 1
+        if calls[0] == 2 and comm.rank == stalled:
+            time.sleep(stall_s)
+        return call(batch[0])
+
+    evaluate = fzero.make_eval_step(model, fn)
+    batch = split_batch(MLP.make_batch(0, BATCH), comm.rank, comm.world_size)
+    evaluate(state, batch)
+    t0 = time.monotonic()
+    try:
+        evaluate(state, batch)
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc),
+                "after": time.monotonic() - t0}
+    return {"error": None, "after": time.monotonic() - t0}
+
+
 def identity_body(comm: Comm) -> int:
     """Nothing but the rank: proves the workers are up."""
     return comm.rank
