@@ -760,7 +760,10 @@ def _run(
                     session.recover(last, peer=True)
                 except CollectiveTimeout:  # a rank is missing: a round to tell the others
                     raise  # would wait out the timeout again (the others time out too)
-                except Exception as exc:  # every rank must learn of it: see _raise_if_failed
+                except BaseException as exc:  # every rank must learn of it (_raise_if_failed),
+                    # a KeyboardInterrupt or SystemExit on one rank too: its next collective
+                    # (a save) met the others' reductions (gloo aborted the process), or they
+                    # waited out the timeout
                     gate()  # unless the step could not start: then every rank raises that
                     failure = exc
                     session.recover(last, peer=False)
@@ -1307,7 +1310,7 @@ class _ShardedSession:
             out = None
         except CollectiveTimeout:  # a rank is missing: no round can tell the others
             raise
-        except Exception:
+        except BaseException:  # (a KeyboardInterrupt on one rank too: see _run)
             self._end_phase(FAILED)
             raise
         else:

@@ -396,6 +396,8 @@ FAIL_IN_BACKWARD = -3
 """A route entry whose autograd node raises `Boom` in backward."""
 NO_PATH = -4
 """A route entry that makes `routed_loss` leave the model out (a constant loss)."""
+INTERRUPT = -5
+"""A route entry that makes `routed_loss` raise KeyboardInterrupt (Ctrl-C on that rank)."""
 
 
 class Boom(Exception):
@@ -416,6 +418,8 @@ def routed_loss(call: Callable[..., Tensor], batch: tuple[Tensor, Tensor, Tensor
     x, route, y = batch
     if bool((route == FAIL).any()):
         raise Boom("loss_fn failed on purpose")
+    if bool((route == INTERRUPT).any()):
+        raise KeyboardInterrupt("interrupted on purpose")
     if bool((route == NO_PATH).any()):
         return y.pow(2).mean()  # the model left out: no gradient path on this rank
     return F.mse_loss(call(x, route), y)
@@ -832,7 +836,7 @@ def train_through_failure(
         start, sent = time.monotonic(), comm.counters.total()
         try:
             state, metrics = step(state, local)
-        except Exception as exc:  # every rank must get here at the same step
+        except (Exception, KeyboardInterrupt) as exc:  # every rank gets here at one step
             seconds, moved = time.monotonic() - start, comm.counters.total() - sent
             errors[index] = {**outcome(exc), "seconds": seconds, "moved": moved,
                              "unchanged": same_snapshot(before, snapshot(state))}
@@ -846,6 +850,12 @@ def failing_route(batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor,
     """Make `routed_loss` raise on this rank."""
     x, route, y = batch
     return x, torch.full_like(route, FAIL), y
+
+
+def interrupting_route(batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Make `routed_loss` raise KeyboardInterrupt on this rank."""
+    x, route, y = batch
+    return x, torch.full_like(route, INTERRUPT), y
 
 
 def failing_backward(batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:

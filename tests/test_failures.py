@@ -75,6 +75,17 @@ def test_loss_fn_raising_on_one_rank(stage: int, world: int) -> None:
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_an_interrupt_on_one_rank_is_told_to_every_rank(stage: int) -> None:
+    """A KeyboardInterrupt (not an Exception) in one rank's loss_fn: the others waited out the
+    timeout, or (gloo, stages 1-2) that rank's next collective met their reductions and gloo
+    aborted its process (a probe). Every rank now learns of it, as of an Exception."""
+    fail = {BAD_STEP: {BAD_RANK: gb.interrupting_route}}
+    outs = world_of(3).run(gb.train_through_failure, gb.Routed().double(),
+                           gb.routed_loss, batches(3), stage=stage, fail=fail)
+    check_failed_step(outs, 3, "KeyboardInterrupt", "interrupted on purpose")
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_backward_raising_on_one_rank(stage: int) -> None:
     fail = {BAD_STEP: {BAD_RANK: gb.failing_backward}}
     outs = world_of(3).run(gb.train_through_failure, gb.Routed().double(),
