@@ -305,6 +305,17 @@ class _Scope:
         self.text = ""
 
 
+class _Fault:
+    """The collective that timed out on a comm, shared by the comm and its channels: after
+    it, the ranks' sequences no longer match (some ranks took part, the late one will call it
+    later, gloo has closed its connections), so no later collective can succeed."""
+
+    __slots__ = ("text",)
+
+    def __init__(self) -> None:
+        self.text = ""
+
+
 class _Explained:
     """A `Work` whose failures are re-raised as `CollectiveError`, naming the collective."""
 
@@ -366,6 +377,7 @@ class CommBase:
         self._issued = 0
         self._channels: dict[str, Comm] = {}
         self._scope = _Scope()
+        self._fault = _Fault()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
@@ -419,9 +431,16 @@ class CommBase:
             if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() or (
                     "timeout" in str(exc).lower()):
                 missing = "" if "never joined" in str(exc) else f"; {self._missing_ranks()}"
+                self._fault.text = self._fault.text or f"{kind} #{number}{channel}{where}{scope}"
                 return CollectiveTimeout(text + missing)
             return CollectiveError(text + self._lost_peer(str(exc)))
 
+        if self._fault.text:
+            raise CollectiveError(
+                f"{kind}{f' {label}' if label else ''} on rank {self.rank}: this comm can no "
+                f"longer communicate, since {self._fault.text} timed out (its ranks no longer "
+                f"issue matching collectives, and gloo closes the connections, NCCL aborts): "
+                f"start the job again (resume from a checkpoint)")
         self._check_open(kind)
         try:
             work = start()
@@ -467,6 +486,7 @@ class CommBase:
             if isinstance(channel, CommBase):
                 channel.name = key
                 channel._scope = self._scope
+                channel._fault = self._fault
             self._channels[key] = channel
         return self._channels[key]
 

@@ -502,6 +502,36 @@ def test_sim_timeout_names_collective_and_missing_rank() -> None:
     assert "timed out after 1.0 s: rank(s) [1] never joined it" in str(info.value)
 
 
+def test_a_comm_that_timed_out_refuses_every_later_collective() -> None:
+    """After a timeout the ranks' sequences no longer match (the late rank calls the abandoned
+    collective later; gloo closes the connections): a retried step waited out a second
+    timeout, and over gloo read "Application timeout caused pair closure" as another missing
+    rank (a probe). Every later collective, on any channel of the comm, raises at once,
+    naming the one that timed out."""
+    def body(comm: Any) -> Any:
+        control = comm.channel("control")
+        if comm.rank == 1:
+            time.sleep(1.5)  # a live rank that is late, then leaves
+            return None
+        with comm.scope("train step 7"):
+            with pytest.raises(fcomm.CollectiveTimeout):
+                comm.all_reduce(torch.zeros(2), label="of bucket 'b'")
+        errors = []
+        for call in (lambda: comm.all_reduce(torch.zeros(2)),
+                     lambda: control.all_gather(torch.zeros(4), torch.zeros(2), label="x")):
+            start = time.monotonic()
+            with pytest.raises(fcomm.CollectiveError) as info:
+                call()
+            errors.append((str(info.value), time.monotonic() - start))
+        return errors
+
+    main, channel = SimWorld(2, timeout=0.5).run(body)[0]  # (#0 opened the channel)
+    for text, seconds in (main, channel):
+        assert seconds < 0.1 and "this comm can no longer communicate, since all_reduce #1 of " \
+               "bucket 'b' during train step 7 timed out" in text, text
+    assert channel[0].startswith("all_gather x on rank 0")
+
+
 def test_an_interrupted_run_stops_its_ranks_at_their_next_collective(tmp_path) -> None:
     """Ctrl-C in a notebook (SIGINT to the thread waiting in `run`) raised KeyboardInterrupt
     at once, but the rank threads trained on in the background and wrote their checkpoint
