@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -505,3 +507,43 @@ def test_load_takes_non_persistent_buffers_from_the_model_as_torch_does(tmp_path
     assert int(buffers["count"]) == 7
     want = 1.0 / (100.0 if meta else 10.0)
     assert torch.equal(buffers["inv_freq"], torch.full((3,), want))
+
+
+def test_a_save_that_a_rank_does_not_join_names_the_save(tmp_path) -> None:
+    """A save's collectives had no label: a rank that died or stalled during a save showed as
+    a bare "all_gather #18, rank 0 of 3" (a probe). Each now names the save and its step."""
+    path = str(tmp_path / "c")
+
+    def body(comm: Any) -> str | None:
+        state = fzero.init(torch.nn.Linear(3, 2), stage=1, comm=comm,
+                           optimizer=fzero.optim.sgd(lr=0.1))
+        if comm.rank == 1:
+            return None  # never calls save
+        with pytest.raises(fzero.CollectiveError) as info:
+            fzero.save(state, path)
+        return str(info.value)
+
+    message = fzero.SimWorld(2, timeout=5.0).run(body)[0]
+    assert "of fzero.save's checks of the states" in message, message
+    assert not os.path.exists(path)
+    # rank 1 stalls writing its file: rank 0 times out waiting for the file reports
+    from fzero.checkpoint import saving
+
+    write_file = saving.write_file
+
+    def slow_rank_1(target: str, *args: Any, **kwargs: Any) -> Any:
+        if os.path.basename(target).startswith("shard-00001"):
+            time.sleep(3.0)
+        return write_file(target, *args, **kwargs)
+
+    def stalled(comm: Any) -> str:
+        state = fzero.init(torch.nn.Linear(3, 2), stage=1, comm=comm,
+                           optimizer=fzero.optim.sgd(lr=0.1))
+        with pytest.raises(fzero.CollectiveError) as info:
+            fzero.save(state, path)
+        return str(info.value)
+
+    with mock.patch.object(saving, "write_file", slow_rank_1):
+        message = fzero.SimWorld(2, timeout=1.5).run(stalled)[0]
+    assert f"of fzero.save({path!r})'s file reports (each rank wrote its file)" in message
+    assert not os.path.exists(path)

@@ -104,7 +104,8 @@ def save(
     fingerprint = params_fingerprint(state) if live else None
     rows = _gather(comm, [state.lease.consumed_by or 0, int(bad_extra is not None),
                           int(bool(written)),
-                          int(fingerprint) if fingerprint is not None else 0])
+                          int(fingerprint) if fingerprint is not None else 0],
+                   label="of fzero.save's checks of the states")
     consumed = [row[0] for row in rows]
     if any(consumed):
         if state.lease.consumed_by is not None:
@@ -154,7 +155,8 @@ def save(
     # 1. rank 0 prepares the partial directory; everyone learns whether it could.
     code, failure = _prepare(path, partial, overwrite) if comm.rank == 0 else (_OK, None)
     drawn = int(new_save_id(), 16) if comm.rank == 0 else 0  # shared with the verdict
-    code, shared = _share(comm, code, drawn)
+    code, shared = _share(comm, code, drawn, label=f"of fzero.save({path!r})'s start (rank 0 "
+                                                    f"created the partial directory)")
     save_id = f"{shared:016x}"  # rank 0's: every file and the manifest name this save
     if code == _EXISTS:
         raise CheckpointError(f"{path} exists: pass overwrite=True to replace it, or save to a "
@@ -181,7 +183,8 @@ def save(
         report = [1, info.bytes, info.crc32]
     except Exception as caught:  # shared below: the other ranks must not wait forever
         error, report = caught, [0, 0, 0]
-    reports = _gather(comm, report)
+    reports = _gather(comm, report, label=f"of fzero.save({path!r})'s file reports (each rank "
+                                          f"wrote its file)")
     failed = [rank for rank, (ok, _, _) in enumerate(reports) if not ok]
     if failed:
         if comm.rank == 0:
@@ -207,7 +210,10 @@ def save(
             save_id=save_id,
         )
         failure = _publish(manifest, path, partial)
-    if _share(comm, _OK if failure is None else _FAILED)[0] != _OK:
+    verdict = _share(comm, _OK if failure is None else _FAILED,
+                     label=f"of fzero.save({path!r})'s verdict (rank 0 renamed the checkpoint "
+                           f"into place before: it is complete where rank 0 said nothing else)")
+    if verdict[0] != _OK:
         raise CheckpointError(failure or f"rank 0 could not publish {path}: see its error")
 
 
@@ -300,18 +306,18 @@ def _rng_states(device: torch.device) -> list[tuple[str, Tensor]]:
     return states
 
 
-def _share(comm: Comm, *values: int) -> list[int]:
-    """Rank 0's `values` (int64s), on every rank."""
+def _share(comm: Comm, *values: int, label: str) -> list[int]:
+    """Rank 0's `values` (int64s), on every rank (`label`: for a collective error)."""
     tensor = torch.tensor(values, dtype=torch.int64, device=_device(comm))
-    comm.broadcast(tensor, src=0)
+    comm.broadcast(tensor, src=0, label=label)
     return tensor.tolist()
 
 
-def _gather(comm: Comm, values: list[int]) -> list[tuple[int, ...]]:
+def _gather(comm: Comm, values: list[int], label: str) -> list[tuple[int, ...]]:
     """Every rank's `values` (a fixed-length list of ints), on every rank."""
     mine = torch.tensor(values, dtype=torch.int64, device=_device(comm))
     every = torch.empty(comm.world_size * len(values), dtype=torch.int64, device=_device(comm))
-    comm.all_gather(every, mine)
+    comm.all_gather(every, mine, label=label)
     rows = every.view(comm.world_size, len(values)).tolist()
     return [tuple(row) for row in rows]
 
