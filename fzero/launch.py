@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fzero.torchcomm import TorchComm
+from fzero.torchcomm import TorchComm, as_timeout
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -166,7 +166,7 @@ def _pick_device(
 def init_distributed(
     backend: str | None = None,
     *,
-    timeout: timedelta = DEFAULT_TIMEOUT,
+    timeout: timedelta | float = DEFAULT_TIMEOUT,
     device: torch.device | str | int | None = None,
     transport: str | None = None,
 ) -> TorchComm:
@@ -181,7 +181,8 @@ def init_distributed(
 
     Args:
         backend: "nccl" or "gloo"; None: nccl if CUDA is available, else gloo.
-        timeout: Timeout of every collective of the group.
+        timeout: Timeout of every collective of the group (a timedelta, or seconds), and of
+            the rendezvous.
         device: CUDA device for this process (NCCL); None: `cuda:LOCAL_RANK` for nccl, CPU
             otherwise. A CUDA device is made current with `torch.cuda.set_device`.
         transport: The returned comm's transport (`TorchComm`): None for the backend's
@@ -191,8 +192,11 @@ def init_distributed(
         A `TorchComm` over the default group.
 
     Raises:
-        ValueError: On a missing or malformed launcher variable, or no usable CUDA device.
+        ValueError: On a missing or malformed launcher variable, no usable CUDA device, or a
+            timeout not above zero.
+        TypeError: A timeout neither a timedelta nor seconds.
     """
+    timeout = as_timeout(timeout) or DEFAULT_TIMEOUT  # (seconds too, as TorchComm's)
     if dist.is_initialized():
         return TorchComm(transport=transport)
     env = parse_launch_env(os.environ)
@@ -368,7 +372,7 @@ def destroy_distributed() -> None:
 def distributed(
     backend: str | None = None,
     *,
-    timeout: timedelta = DEFAULT_TIMEOUT,
+    timeout: timedelta | float = DEFAULT_TIMEOUT,
     device: torch.device | str | int | None = None,
     transport: str | None = None,
 ) -> Iterator[TorchComm]:

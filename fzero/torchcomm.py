@@ -114,12 +114,25 @@ def _group_timeout(group: Any, device: torch.device) -> timedelta | None:
     return timeout if isinstance(timeout, timedelta) else None
 
 
-def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
-    if timeout is None or isinstance(timeout, timedelta):
-        return timeout
-    if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0:
-        return timedelta(seconds=timeout)
-    raise TypeError(f"timeout must be a timedelta, positive seconds or None, got {timeout!r}")
+def as_timeout(timeout: timedelta | float | None) -> timedelta | None:
+    """`timeout` as a timedelta: given as one or as seconds (None stays None).
+
+    Raises:
+        TypeError: neither a timedelta nor a number of seconds.
+        ValueError: not above zero (a zero timeout fails every wait at once, a negative one
+            failed the rendezvous with a message about connecting to rank 0).
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, int | float) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout must be a timedelta or seconds, got {timeout!r}")
+    if not seconds > 0:  # (NaN too)
+        raise ValueError(f"timeout must be above 0 seconds, got {timeout!r}")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
 def choose_transport(transport: str | None, backend: str) -> str:
@@ -229,7 +242,7 @@ class TorchComm(CommBase):
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
-        self.timeout = _as_timedelta(timeout)
+        self.timeout = as_timeout(timeout)
         self._ops = _single_tensor_collectives()
         self._native_avg = True
         transport = choose_transport(transport, self.backend)

@@ -1062,6 +1062,21 @@ def test_init_distributed_names_missing_variable(bare_env: pytest.MonkeyPatch) -
     assert not dist.is_initialized()
 
 
+def test_init_distributed_takes_seconds_and_refuses_a_timeout_not_above_zero(
+        bare_env: pytest.MonkeyPatch) -> None:
+    """Seconds, as `TorchComm(timeout=)` takes, failed in the store's constructor (TypeError
+    from pybind) or in the world-size agreement (AttributeError); a timedelta of 0 or less
+    failed the rendezvous saying rank 0's store could not be reached (a probe)."""
+    for bad, error in ((timedelta(0), ValueError), (timedelta(seconds=-5), ValueError),
+                       (float("nan"), ValueError), ("5", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="timeout must be"):
+            init_distributed(backend="gloo", timeout=bad)
+        assert not dist.is_initialized()
+    with distributed(backend="gloo", timeout=5) as comm:
+        assert comm.world_size == 1
+        assert ftorchcomm._group_timeout(None, comm.device) == timedelta(seconds=5)
+
+
 # ----------------------------------------------------------------------------------------------
 # Tier 3: CUDA (NCCL)
 
