@@ -397,10 +397,12 @@ class SimComm(CommBase):
 
     def _drain(self) -> BaseException | None:
         """Let pending collectives finish (channels too); return the first failure of an async
-        collective nobody waited for, if any."""
+        collective nobody waited for, if any (none once the comm has timed out: it is given
+        up then, with the collectives in flight)."""
         failures = [c._drain() for c in self._channels.values() if isinstance(c, SimComm)]
         self._executor.shutdown(wait=True)
-        unwaited = [w._future.exception() for w in self._async if not w.waited]
+        unwaited = [w._future.exception() for w in self._async
+                    if not w.waited and not self._fault.text]
         failures.insert(0, next((e for e in unwaited if e is not None), None))
         return next((f for f in failures if f is not None), None)
 

@@ -429,8 +429,9 @@ def check_live(state: Any, what: str) -> None:
     consumed = state.lease.consumed_by
     if consumed is not None and state.lease.updating:
         raise ValueError(
-            f"{what}: train step {consumed} was interrupted (e.g. by Ctrl-C) while it updated "
-            f"this state's tensors in place, before it returned the new state: they hold part "
+            f"{what}: train step {consumed} stopped while it updated this state's tensors in "
+            f"place (interrupted, e.g. by Ctrl-C, or a collective of the update failed), "
+            f"before it returned the new state: they hold part "
             f"of that update, so neither the state before the step nor the one after. Go on "
             f"from a checkpoint, or from a copy kept before the step with "
             f"fzero.clone_state(state)"

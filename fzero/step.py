@@ -1640,10 +1640,27 @@ def _publish(state: ShardState, streams: SideStreams | None) -> None:
             shard = shard_view(params, bucket, state.rank)
             shard = shard if comm.in_place else shard.clone()
         if len(pending) == PUBLISH_IN_FLIGHT:
-            pending.pop(0).wait()
+            _wait_first(pending)
         pending.append(all_gather_bucket(comm, bucket, shard, out=params, streams=streams))
-    for handle in pending:
-        handle.wait()
+    while pending:
+        _wait_first(pending)
+
+
+def _wait_first(pending: list[Pending]) -> None:
+    """Wait for the first of `pending` and drop it; if that raises, wait for the rest too
+    (they are issued: a failure of theirs must not go unseen, SimWorld reports a work never
+    waited for) and raise the first error. After a timeout the comm is given up (`Comm`:
+    it refuses every later collective), and so are the rest: waiting for them would take
+    another timeout."""
+    try:
+        pending.pop(0).wait()
+    except CollectiveTimeout:
+        raise
+    except BaseException:
+        while pending:
+            with contextlib.suppress(Exception):
+                pending.pop(0).wait()
+        raise
 
 
 # --- small helpers ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import fzero
 
 import fault_bodies as fb
 from dist_pool import WorkerError
-from models import MLP
+from models import MLP, split_batch
 
 STAGES = (0, 1, 2, 3)
 
@@ -41,6 +42,47 @@ def test_sim_stalled_rank_in_a_stage3_eval_step_is_named_within_the_timeout() ->
     assert first["error"] == "CollectiveTimeout", first
     assert 2.0 <= first["after"] < 3.5
     assert "rank(s) [1] never joined it" in first["message"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_timeout_while_publishing_the_update_gives_the_state_up(stage: int) -> None:
+    """Stages 1-2 gather the updated shards, two buckets in flight: a timeout in the first
+    left the second never waited for, and SimWorld failed the run with its raw TimeoutError
+    (1 in 4); and the state, updated in part, blamed a Ctrl-C (a probe). The rank raises the
+    timeout after one timeout, and its state names what happened."""
+    from fzero import step as fstep
+
+    update = fstep._update
+
+    def slow_on_rank_1(state: Any, *args: Any, **kwargs: Any) -> Any:
+        out = update(state, *args, **kwargs)
+        if state.config.comm.rank == 1 and state.step == 1:
+            time.sleep(4.0)
+        return out
+
+    def body(comm: Any) -> Any:
+        model = MLP()
+        state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm,
+                           buckets=lambda m: m is model.fc1)
+        step = fzero.make_train_step(model, MLP.loss_fn)
+        batch = split_batch(MLP.make_batch(0, 12), comm.rank, comm.world_size)
+        state, _ = step(state, batch)
+        start = time.monotonic()
+        try:
+            step(state, batch)
+        except fzero.CollectiveTimeout as exc:
+            after = time.monotonic() - start
+            with pytest.raises(ValueError) as info:
+                fzero.clone_state(state)
+            return after, str(exc), str(info.value)
+        return None
+
+    with mock.patch.object(fstep, "_update", slow_on_rank_1):
+        first, _ = fzero.SimWorld(2, timeout=1.5).run(body)
+    after, error, reuse = first
+    assert 1.5 <= after < 3.0 and "all_gather" in error, first
+    assert "train step 2 stopped while it updated this state's tensors in place " \
+           "(interrupted, e.g. by Ctrl-C, or a collective of the update failed)" in reuse
 
 
 @pytest.mark.slow
