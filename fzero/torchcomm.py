@@ -208,9 +208,10 @@ class TorchComm(CommBase):
         device: Where this comm's tensors live: the current CUDA device for NCCL, else CPU.
 
     Raises:
-        ValueError: If no process group is initialized or this process is not in `group`;
-            with ``transport="shm"``, at the first large collective, on every rank, if some rank
-            cannot map another's memory.
+        ValueError: If no process group is initialized or this process is not in `group`, or
+            `timeout` is not above zero; with ``transport="shm"``, at the first large
+            collective, on every rank, if some rank cannot map another's memory.
+        TypeError: `timeout` neither a timedelta nor seconds.
     """
 
     def __init__(

@@ -31,6 +31,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -850,9 +851,10 @@ def test_torch_comm_arguments_over_a_group(monkeypatch: pytest.MonkeyPatch) -> N
     for name in (*_TORCHRUN_VARS, *_SLURM_VARS):
         monkeypatch.delenv(name, raising=False)
     with fzero.distributed(backend="gloo"):
-        with pytest.raises(TypeError, match="timeout must be a timedelta, positive seconds"):
-            fzero.TorchComm(timeout=-1)
-        with pytest.raises(TypeError, match="timeout must be a timedelta, positive seconds"):
+        for below in (-1, 0, timedelta(0)):
+            with pytest.raises(ValueError, match="timeout must be above 0 seconds"):
+                fzero.TorchComm(timeout=below)
+        with pytest.raises(TypeError, match="timeout must be a timedelta or seconds"):
             fzero.TorchComm(timeout="5")
         with pytest.raises(
             ValueError, match=r"transport must be one of \('single', 'pairwise', 'shm'\)"
