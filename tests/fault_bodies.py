@@ -17,8 +17,9 @@ BATCH = 12
 
 
 def stall_body(comm: Comm, stage: int, stalled: int, stall_s: float,
-               timeout_s: float | None) -> dict[str, Any]:
-    """Two steps; at the second, rank `stalled` stops taking part for `stall_s` seconds.
+               timeout_s: float | None, *, evaluate: bool = False) -> dict[str, Any]:
+    """Two steps (train steps, or eval steps with `evaluate`); at the second, rank `stalled`
+    stops taking part for `stall_s` seconds.
 
     Over gloo, a `TorchComm` with `timeout_s` bounds every wait, and the ranks that time out
     re-raise (the pool then stops the stalled rank and respawns its workers, whose groups a
@@ -37,9 +38,10 @@ def stall_body(comm: Comm, stage: int, stalled: int, stall_s: float,
             time.sleep(stall_s)  # alive, but not taking part
         return MLP.loss_fn(call, batch)
 
-    step = fzero.make_train_step(model, loss_fn)
+    step = (fzero.make_eval_step if evaluate else fzero.make_train_step)(model, loss_fn)
     batch = split_batch(MLP.make_batch(0, BATCH), comm.rank, comm.world_size)
-    state, _ = step(state, batch)
+    first = step(state, batch)
+    state = state if evaluate else first[0]
     t0 = time.monotonic()
     try:
         step(state, batch)
@@ -48,31 +50,6 @@ def stall_body(comm: Comm, stage: int, stalled: int, stall_s: float,
             raise
         return {"error": type(exc).__name__, "message": str(exc),
                 "after": time.monotonic() - t0, "timeout": isinstance(exc, TimeoutError)}
-    return {"error": None, "after": time.monotonic() - t0}
-
-
-def stall_eval_body(comm: Comm, stage: int, stalled: int, stall_s: float) -> dict[str, Any]:
-    """Two eval steps; in the second, rank `stalled` stops taking part for `stall_s` seconds;
-    what each rank raised and when (seconds after the second step started)."""
-    model = MLP()
-    state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
-    calls = [0]
-
-    def fn(call: Any, batch: Any) -> Tensor:
-        calls[0] += 1
-        if calls[0] == 2 and comm.rank == stalled:
-            time.sleep(stall_s)
-        return call(batch[0])
-
-    evaluate = fzero.make_eval_step(model, fn)
-    batch = split_batch(MLP.make_batch(0, BATCH), comm.rank, comm.world_size)
-    evaluate(state, batch)
-    t0 = time.monotonic()
-    try:
-        evaluate(state, batch)
-    except Exception as exc:
-        return {"error": type(exc).__name__, "message": str(exc),
-                "after": time.monotonic() - t0}
     return {"error": None, "after": time.monotonic() - t0}
 
 

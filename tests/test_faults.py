@@ -38,7 +38,7 @@ def test_sim_stalled_rank_is_named_within_the_timeout(stage: int) -> None:
 def test_sim_stalled_rank_in_a_stage3_eval_step_is_named_within_the_timeout() -> None:
     """Stage 3 evaluates with gathers: after a timeout it ran a round to tell the other rank,
     which timed out too (raised after twice the timeout)."""
-    first, _ = fzero.SimWorld(2, timeout=2.0).run(fb.stall_eval_body, 3, 1, 5.0)
+    first, _ = fzero.SimWorld(2, timeout=2.0).run(fb.stall_body, 3, 1, 5.0, None, evaluate=True)
     assert first["error"] == "CollectiveTimeout", first
     assert 2.0 <= first["after"] < 3.5
     assert "rank(s) [1] never joined it" in first["message"]
