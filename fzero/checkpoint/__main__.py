@@ -111,15 +111,16 @@ _world_size = _at_least_one("ranks", "a world size is")
 _bucket_cap = _at_least_one("elements", "a bucket holds")
 
 
-def _shard_size(text: str) -> float:
-    """An argparse type: a number of bytes above 0 (``5e9`` allowed)."""
+def _shard_size(text: str) -> int:
+    """An argparse type: a whole number of bytes above 0 (``5e9`` allowed)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"a file holds more than 0 bytes, got {text}")
-    return value
+    if not (math.isfinite(value) and value >= 1):  # (0.5 became 0 bytes in export)
+        raise argparse.ArgumentTypeError(f"a file holds more than 0 bytes (whole bytes), "
+                                         f"got {text}")
+    return int(value)
 
 
 def _meta_hf_model(directory: str) -> torch.nn.Module:
@@ -197,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             model = None if args.hf_model is None else _meta_hf_model(args.hf_model)
             files = export(args.src, args.out_dir, args.dtype, model=model,
-                           max_shard_size=int(args.max_shard_size), progress=True)
+                           max_shard_size=args.max_shard_size, progress=True)
             print(f"wrote {len(files)} files to {args.out_dir}"
                   + ("" if model is not None else " (weights only: --hf-model DIR adds the "
                      "config.json that from_pretrained needs)"))
