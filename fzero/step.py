@@ -121,6 +121,11 @@ def decay_matrices(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2
 
 
+def _decay_every(name: str, shape: tuple[int, ...]) -> bool:
+    """The default weight-decay rule (``decay=None``): every parameter."""
+    return True
+
+
 def _decayed(layout: ShardLayout, decay: Callable[[str, tuple[int, ...]], bool]
              ) -> tuple[str, ...]:
     """The trainable parameters `decay` selects, a tied tensor asked about all its names.
@@ -258,14 +263,14 @@ def make_train_step(
     plans: dict[tuple[str, int, int], Any] = {}  # decay ranges per (layout, stage, rank)
     leaves = _LeafCache()  # the leaves of the state's tensors (stage 3: buffers), across steps
     checked_writes = False  # stage 3: whether a step looked for writes bypassing autograd
-    decayed: dict[str, tuple[str, ...] | None] = {}  # per layout: the names `decay` selects
+    decayed: dict[str, tuple[str, ...]] = {}  # per layout: the names `decay` selects
 
     def settings(state: ShardState) -> dict[str, str]:
         """What else this step applies, which every rank must share, part by part (the
         dtypes of the parameters and buffers are in the layout's and buffers' fingerprints)."""
         fingerprint = state.layout.fingerprint
-        if fingerprint not in decayed:
-            decayed[fingerprint] = None if decay is None else _decayed(state.layout, decay)
+        if fingerprint not in decayed:  # (None is the rule that decays every parameter)
+            decayed[fingerprint] = _decayed(state.layout, decay or _decay_every)
         config, scale = state.config, state.loss_scale
         return {
             "the optimizer and its hyperparameters": config.optimizer.describe(),

@@ -1340,3 +1340,21 @@ def test_a_schedule_that_raises_on_one_rank_stops_every_rank() -> None:
     assert "learning rate for step 1 could not be computed: ZeroDivisionError" in message
     kind, message, moved, same = outcomes[0]
     assert kind == "StepError" and "rank(s) [1] could not start it" in message and moved == 0
+
+
+def test_decay_none_and_a_rule_that_decays_everything_are_the_same_setting() -> None:
+    """The step compares what the decay rule selects, not the rule: ``decay=None`` on one rank
+    and ``decay=lambda name, shape: True`` on another decay the same parameters, and were
+    refused as "settings differ" (the default was compared as None)."""
+
+    def body(comm: Any) -> float:
+        model = gb.BatchNormNet().float()
+        state = fzero.init(model, stage=1, optimizer=fzero.optim.adamw(lr=0.1), comm=comm)
+        decay = None if comm.rank == 0 else (lambda name, shape: True)
+        step = fzero.make_train_step(model, gb.mse_loss, decay=decay)
+        batch = gb.rank_rows(gb.mse_batches(1, rows=8, d_in=5, d_out=3)[0], comm.rank, 2)
+        state, metrics = step(state, tuple(t.float() for t in batch))
+        return metrics["loss"]
+
+    losses = fzero.SimWorld(2).run(body)
+    assert losses[0] == losses[1]
