@@ -387,9 +387,11 @@ def plan(
             a predicate is asked about all of them, and flags that disagree raise.
         cap: the size cap (elements) for grouped parameters under the default policies.
         floor: under ``buckets=None``, consecutive groups of one kind (trainable or frozen,
-            one dtype) are merged while either holds fewer than `floor` elements, so a
-            model of small blocks gets few buckets (each costs a fixed amount per collective
-            and step); a group holding a tied parameter stays alone if `separate_tied`.
+            one dtype) are merged into one bucket until it holds `floor` elements (a last one
+            of its kind left under `floor` joins the bucket before), so a model of small
+            blocks gets few buckets (each costs a fixed amount per collective and step), of
+            about `floor` elements; a group holding a tied parameter stays alone if
+            `separate_tied`.
             ``floor=1`` merges nothing: one bucket per block.
         separate_tied: keep a group holding a tied parameter (used in two places) out of the
             `floor` merge. Stage 3 gathers a bucket at each use, so a tied embedding merged
@@ -715,9 +717,14 @@ def _merge_small(
     *,
     separate_tied: bool,
 ) -> list[tuple[str, list[str]]]:
-    """Merge each group into the one before while either holds fewer than `floor` elements and
-    both are of one and the same kind; a group of mixed kinds, or holding a tied parameter
-    when `separate_tied`, stays alone. Labels become ``"first..last"``."""
+    """Merge consecutive groups of one and the same kind into buckets: a group joins the
+    bucket before while that bucket holds fewer than `floor` elements, and a bucket left
+    under `floor` (the last of its kind) joins the one before. So a merged bucket is one group
+    with fewer than `floor` elements on each side of it, however many small groups follow (a
+    group of 2**19 elements used to join a bucket of any size: every block of a deep model of
+    small blocks was one bucket, which stage 3 gathered whole). A group of mixed kinds, or
+    holding a tied parameter when `separate_tied`, stays alone. Labels become
+    ``"first..last"``."""
 
     def kind(names: list[str]) -> tuple[bool, torch.dtype] | None:
         kinds = {(is_trainable(n), tensors[n].dtype) for n in names}
@@ -725,15 +732,26 @@ def _merge_small(
         return next(iter(kinds)) if len(kinds) == 1 and not tied else None
 
     # labels, names, size, kind (None: never merged)
-    merged: list[tuple[list[str], list[str], int, tuple[bool, torch.dtype] | None]] = []
+    Merged = tuple[list[str], list[str], int, tuple[bool, torch.dtype] | None]
+
+    def join(before: Merged, after: Merged) -> Merged:
+        return ([*before[0], *after[0]], before[1] + after[1], before[2] + after[2], after[3])
+
+    filled: list[Merged] = []
     for label, names in groups:
-        size, this = sum(tensors[n].numel() for n in names), kind(names)
-        if merged and this is not None and merged[-1][3] == this and (
-                merged[-1][2] < floor or size < floor):
-            labels, before, filled, _ = merged[-1]
-            merged[-1] = ([*labels, label], before + names, filled + size, this)
+        this: Merged = ([label], list(names), sum(tensors[n].numel() for n in names),
+                        kind(names))
+        if filled and this[3] is not None and filled[-1][3] == this[3] and filled[-1][2] < floor:
+            filled[-1] = join(filled[-1], this)
         else:
-            merged.append(([label], list(names), size, this))
+            filled.append(this)
+    merged: list[Merged] = []
+    for this in filled:
+        if (merged and this[3] is not None and merged[-1][3] == this[3]
+                and this[2] < floor):  # (so the one before holds `floor` or more)
+            merged[-1] = join(merged[-1], this)
+        else:
+            merged.append(this)
     # A merged group says where it starts and ends, even when both ends share a label ("h.0"
     # twice, around another group, is "h.0..h.0": it holds more than h.0).
     return [(labels[0] if len(labels) == 1 else f"{labels[0]}..{labels[-1]}", names)

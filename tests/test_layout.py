@@ -227,11 +227,22 @@ def test_default_policy_merges_small_blocks_up_to_the_floor():
     assert [(b.label, b.numel) for b in fzero.plan(net, 3).buckets] == [
         ("embed", 55), ("blocks.0..final", 130)]  # tied: alone (used first and last)
     assert [(b.label, b.numel) for b in fzero.plan(net, 3, floor=41).buckets] == [
-        ("embed", 55), ("blocks.0..final", 130)]  # each block is under 41: merged, all
+        ("embed", 55), ("blocks.0..blocks.1", 80), ("blocks.2..final", 50)]  # 80 >= 41: shut
     assert [(b.label, b.numel) for b in fzero.plan(net, 3, floor=40).buckets] == [
         ("embed", 55), ("blocks.0", 40), ("blocks.1", 40), ("blocks.2..final", 50)]  # norm: 10
     assert fzero.plan(net, 3, floor=1) == fzero.plan(net, 3, buckets=Block)
     assert fzero.plan(net, 3, buckets=Block, floor=10**9) == fzero.plan(net, 3, buckets=Block)
+
+
+def test_a_deep_model_of_small_blocks_gets_buckets_of_about_the_floor():
+    """Shrunk from a probe: a block under the floor joined the bucket before it whatever that
+    bucket held, so 200 blocks of 490,700 elements were one bucket of 98M (stage 3 gathered the
+    whole model at once, 6x the cap)."""
+    with torch.device("meta"):
+        deep = nn.Sequential(*[nn.Linear(700, 700) for _ in range(200)])
+    sizes = [b.numel for b in fzero.plan(deep, 8).buckets]
+    assert sizes[:-1] == [3 * 490_700] * 65 and sizes[-1] == 5 * 490_700  # the last 2 join
+    assert sum(sizes) == 200 * 490_700
 
 
 def test_a_tied_group_merges_only_when_not_kept_separate():
@@ -278,6 +289,9 @@ def test_the_floor_merges_consecutive_groups_of_one_kind(case, floor, separate_t
         if len(run) > 1 and separate_tied:
             assert not any(e.aliases for e in bucket.entries)
             assert bucket.label == f"{run[0].label}..{run[-1].label}"
+        sizes = [b.numel for b in run]  # bounded: one group, under `floor` on each side
+        assert any(sum(sizes[:j]) < floor and sum(sizes[j + 1:]) < floor
+                   for j in range(len(run))), (floor, sizes)
     assert next(parts, None) is None
 
     def mergeable(bucket):  # its group had one kind (and no tie, if kept separate)
