@@ -69,6 +69,7 @@ class Header(NamedTuple):
     buffers: int  # fingerprint of the state's buffer names, shapes and dtypes as an int
     lr: int = 0  # the train step's learning rate: its float64 bits as an int (eval: 0)
     settings: int = 0  # fingerprint of the train step's other settings (eval: 0)
+    state: int = 0  # the state's lineage (`fzero.state.ShardState.lineage`)
 
 
 def agree_header(
@@ -177,6 +178,9 @@ _HEADER_HINTS = {
     "settings": "Every rank must train with the same settings: the optimizer and its "
                 "hyperparameters, clip_norm, max_skipped, the buffers policy, the "
                 "weight-decay rule and the state's master_dtype and reduce_dtype.",
+    "state": "Every rank must pass its part of the same state: states from two fzero.init or "
+             "fzero.load calls, or a state and its clone_state copy, are different states "
+             "even when they hold the same values.",
 }
 
 
@@ -188,7 +192,8 @@ def float_bits(value: float) -> int:
 def _show(field: str, value: int) -> str:
     if field == "lr":
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
-    return f"{value:#x}" if field in ("fingerprint", "buffers", "settings") else str(value)
+    return f"{value:#x}" if field in ("fingerprint", "buffers", "settings", "state") else str(
+        value)
 
 
 class Statistics(NamedTuple):

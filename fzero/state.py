@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import itertools
+import secrets
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,12 +69,14 @@ __all__ = [
     "check_live",
     "check_optimizer_dtype",
     "check_reduce_dtype",
+    "clone_lineage",
     "clone_state",
     "default_master_dtype",
     "init",
     "layout_bytes_theory",
     "lost_writes",
     "params_fingerprint",
+    "shared_lineage",
     "state_bytes",
     "state_bytes_theory",
     "with_uncast",
@@ -198,6 +202,12 @@ class ShardState:
     master and to bfloat16 parameters, a checkpoint loaded with a narrower master_dtype), each
     with the `fzero.flat.checksum` of that part then. Empty after the first update, which
     makes every parameter its master's cast (`lost_writes` relies on both)."""
+    lineage: int = 0
+    """Which state this is, the same on every rank: drawn by rank 0 at `init` and `fzero.load`
+    (`shared_lineage`), kept by the steps, derived by `clone_state` (`clone_lineage`). Steps,
+    saves and `full_params` compare it, so ranks that pass different states (two models of one
+    architecture, stepped in another order on each rank) are told so, at stage 3 too, where no
+    rank holds the others' parameters to compare."""
     lease: Lease = field(default_factory=Lease, compare=False, repr=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardState:
@@ -463,8 +473,26 @@ def clone_state(state: ShardState) -> ShardState:
                          *zip(state.buffers.values(), buffers.values(), strict=True)])
     return dataclasses.replace(
         state, params=params, grads=grads, master=master, moments=moments, buffers=buffers,
-        lease=Lease(),
+        lineage=clone_lineage(state), lease=Lease(),
     )
+
+
+def shared_lineage(comm: Comm) -> int:
+    """A new state's `ShardState.lineage`: 62 random bits drawn on rank 0 and broadcast (a
+    collective). Drawn from the OS, not torch's generator, which building a state must not
+    advance."""
+    value = torch.tensor([secrets.randbits(62) if comm.rank == 0 else 0], dtype=torch.int64,
+                         device=getattr(comm, "device", "cpu"))
+    comm.broadcast(value, src=0, label="of the new state's lineage")
+    return int(value.item())
+
+
+def clone_lineage(state: ShardState) -> int:
+    """The lineage of `state`'s clone: derived from its lineage and step, so every rank's clone
+    of one state gets the same one, which is not the original's (a rank that steps the clone
+    while another steps the original is told so)."""
+    digest = hashlib.blake2b(f"{state.lineage}:{state.step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 def _flatten_state(state: ShardState) -> tuple[list[Any], Any]:
@@ -485,7 +513,7 @@ def _flatten_state(state: ShardState) -> tuple[list[Any], Any]:
         state.buffers,
     ]
     scalars = _Scalars(state.step, state.loss_scale, state.bucket_order, state.param_steps,
-                       state.skipped, state.uncast)
+                       state.skipped, state.uncast, state.lineage)
     context = (state.layout, state.stage, state.config, present, aliased, scalars,
                _Origin(state.lease, _updated(state.params, state.master, state.moments)))
     return children, context
@@ -505,7 +533,7 @@ def _unflatten_state(children: Any, context: Any) -> ShardState:
     return ShardState(
         layout, stage, scalars.step, tuple(params), _absent(grads, present), master, moments,
         dict(buffers), config, scalars.loss_scale, scalars.bucket_order, scalars.param_steps,
-        scalars.skipped, scalars.uncast,
+        scalars.skipped, scalars.uncast, scalars.lineage,
         lease=origin.lease_for(_updated(params, master, moments)),
     )
 
@@ -548,6 +576,7 @@ class _Scalars:
     param_steps: tuple[int, ...] | None
     skipped: int
     uncast: tuple[tuple[int, int], ...]
+    lineage: int
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Scalars)
@@ -765,7 +794,7 @@ def init(
     loss_scale = LossScale() if float16 else None  # however the model got to float16
     return with_uncast(ShardState(
         layout, stage, 0, tuple(params), tuple(grads), tuple(master), moments, buffers, config,
-        loss_scale,
+        loss_scale, lineage=shared_lineage(comm),
     ))
 
 

@@ -563,8 +563,8 @@ def _agree_on_full_params(state: ShardState, master: bool) -> None:
     except ValueError as error:
         own = error
     call = {
-        "the state (layout, stage, step)": repr(
-            (state.layout.fingerprint, state.stage, state.step)),
+        "the state (layout, stage, step, lineage)": repr(
+            (state.layout.fingerprint, state.stage, state.step, state.lineage)),
         "master=": repr(master),
         "the dtypes gathered": repr([
             str((source if source is not None else params).dtype)
@@ -1398,7 +1398,7 @@ def _header(
     fingerprint = int(state.layout.fingerprint, 16) >> 4  # 60 bits: fits an int64
     buffers = int(buffers_fingerprint(state.buffers), 16) >> 4
     return Header(fingerprint, state.stage, state.step, micro_batches, kind, buffers,
-                  float_bits(lr) if lr is not None else 0, settings)
+                  float_bits(lr) if lr is not None else 0, settings, state.lineage)
 
 
 def _mean_loss(run: _Run) -> Tensor:

@@ -11,6 +11,7 @@ the state's own buffers, and with an unchanged layout one read per stored shard.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Mapping
@@ -41,6 +42,7 @@ from fzero.state import (
     check_optimizer_dtype,
     check_reduce_dtype,
     default_master_dtype,
+    shared_lineage,
     state_device,
 )
 
@@ -178,7 +180,7 @@ def load(
     # A rank's files may have been opened after the directory was replaced: every rank
     # learns of it (the reads themselves do not raise, so the ranks stay in step).
     _check_loaded(path, state, comm, pin)
-    return state
+    return dataclasses.replace(state, lineage=shared_lineage(comm))  # a state of its own
 
 
 class Reader:

@@ -144,6 +144,7 @@ def save(
     # (param_dtype=None and the model's own dtype build the same layout: rank 0's is recorded)
     call = {"path": path, "optimizer_state": repr(optimizer_state),
             "overwrite": repr(overwrite), "the layout": state.layout.fingerprint,
+            "the state's lineage (which state it is)": repr(state.lineage),
             "the state's description (step, optimizer, dtypes, loss scale)": repr(
                 {k: v for k, v in described.items() if k != "param_dtype"}),
             "the buffers": repr(buffers)}
