@@ -86,8 +86,14 @@ class Completion:
     """Watches the leaves of every trainable bucket during backward.
 
     Calls ``on_complete(b)`` once per backward when every leaf of trainable bucket b has
-    accumulated its gradient (while `armed`), records which entries were used at all in the
-    step (`used`), and raises on a late gradient (see the module note).
+    accumulated its gradient (while `armed`), records which entries received a gradient at all
+    in the step (`used`), and raises on a late gradient (see the module note).
+
+    A leaf reached by autograd with no gradient (a custom ``Function`` or a reentrant
+    checkpoint returning None for it) completes its part of the bucket but is not used: torch
+    leaves its ``.grad`` None and ``torch.optim`` skips it (no decay, no momentum, no step).
+    The post-accumulate-grad hook fires either way, and at stages 0-1 ``.grad`` is bound to
+    the flat buffer before backward, so a tensor hook, which sees the incoming gradient, tells.
     """
 
     def __init__(
@@ -104,12 +110,21 @@ class Completion:
         self.ready = [0] * len(layout.buckets)
         self.completed = [False] * len(layout.buckets)
         self.used = [[False] * len(bucket_leaves) for bucket_leaves in leaves]
+        watched = [(index, position, leaf) for index, bucket in enumerate(layout.buckets)
+                   if bucket.trainable for position, leaf in enumerate(leaves[index])]
         self.handles = [
-            leaf.register_post_accumulate_grad_hook(self._hook(index, position))
-            for index, bucket in enumerate(layout.buckets)
-            if bucket.trainable
-            for position, leaf in enumerate(leaves[index])
+            *(leaf.register_hook(self._arrival(index, position))
+              for index, position, leaf in watched),
+            *(leaf.register_post_accumulate_grad_hook(self._hook(index, position))
+              for index, position, leaf in watched),
         ]
+
+    def _arrival(self, index: int, position: int) -> Callable[[Tensor | None], None]:
+        def on_gradient(grad: Tensor | None) -> None:
+            if grad is not None:
+                self.used[index][position] = True
+
+        return on_gradient
 
     def _hook(self, index: int, position: int) -> Callable[[Tensor], None]:
         def on_ready(_: Tensor) -> None:
@@ -118,7 +133,6 @@ class Completion:
                 if self.on_complete is _stopped:
                     raise RuntimeError(OUTSIDE_STEP_HELP.format(name=name))
                 raise RuntimeError(OUTSIDE_BACKWARD_HELP.format(name=name))
-            self.used[index][position] = True
             if self.completed[index]:
                 bucket = self.layout.buckets[index]
                 raise RuntimeError(LATE_GRADIENT_HELP.format(
