@@ -1112,8 +1112,9 @@ class _ReplicatedSession:
     def micro_batch(self, loss_fn: LossFn, model: nn.Module, micro: Any, factor: float,
                     last: bool) -> Tensor:
         self.completion.armed = self._reduces_now(last)
-        loss = loss_fn(model.__call__, micro)
-        _check_loss(loss)
+        call = _Call(model.__call__)
+        loss = loss_fn(call, micro)
+        _check_loss(loss, call)
         _check_unmodified(self.leaves, self.versions, self.state)
         with self.completion.backward():
             if loss.requires_grad:  # (without: this rank's gradients are zero, see `_no_path`)
@@ -1231,12 +1232,13 @@ class _ShardedSession:
         assert self.reducer is not None
         self.reducer.complete(index)
 
-    def _forward(self, fn: Callable[..., Any], model: nn.Module, micro: Any) -> Any:
+    def _forward(self, fn: Callable[..., Any], call: Callable[..., Any], model: nn.Module,
+                 micro: Any) -> Any:
         self.phase = "forward"
         self.residency.begin("forward")
         try:
             with self.residency.guard(model):
-                return fn(model.__call__, micro)
+                return fn(call, micro)
         except RuntimeError as error:
             explained = self.residency.explain(error, model)
             if explained is error:  # not a released read: the user's own error, as it was
@@ -1250,8 +1252,9 @@ class _ShardedSession:
 
     def micro_batch(self, loss_fn: LossFn, model: nn.Module, micro: Any, factor: float,
                     last: bool) -> Tensor | None:
-        loss = self._forward(loss_fn, model, micro)
-        _check_loss(loss)
+        call = _Call(model.__call__)
+        loss = self._forward(loss_fn, call, model, micro)
+        _check_loss(loss, call)
         _check_unmodified(self.leaves, self.versions, self.state)
         touched = set(self.residency.used)
         self._end_phase(DONE, keep=True)  # backward starts with what forward ended with
@@ -1731,11 +1734,37 @@ def _unused_names(state: ShardState, used: Sequence[bool]) -> list[str]:
     return [name for name, flag in zip(names, used, strict=True) if not flag]
 
 
-def _check_loss(loss: Any) -> None:
+class _Call:
+    """The ``call`` a train step's loss_fn gets: the module's forward, noting whether an output
+    required grad (`graphed`), so that a loss cut from the graph is told apart from a loss
+    whose rank's batch took no path through the trainable parameters (`_check_loss`)."""
+
+    __slots__ = ("forward", "graphed")
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward = forward
+        self.graphed = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.forward(*args, **kwargs)
+        if not self.graphed and torch.is_grad_enabled():
+            self.graphed = any(isinstance(t, Tensor) and t.requires_grad
+                               for t in pytree.tree_leaves(out))
+        return out
+
+
+def _check_loss(loss: Any, call: _Call) -> None:
     if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
         got = f"shape {tuple(loss.shape)} dtype {loss.dtype}" if isinstance(loss, Tensor) else (
             type(loss).__name__)
         raise ValueError(f"loss_fn must return a scalar floating-point tensor, got {got}")
+    if call.graphed and not loss.requires_grad:
+        raise ValueError(
+            "loss_fn's loss does not require grad, but the model's output did: the loss was cut "
+            "from the graph (.detach(), .item(), torch.tensor(...), or computed under "
+            "torch.no_grad), and this rank's rows would add no gradient (torch raises in "
+            "backward here). Return the loss computed from `call`'s output; a batch that should "
+            "add nothing can return 0 * output.sum()")
 
 
 def _check_model(

@@ -381,3 +381,32 @@ def test_ranks_on_different_paths_do_not_stall_each_other(monkeypatch: pytest.Mo
         for name, value in capped.items():
             assert torch.equal(ours[name], value), name
             torch.testing.assert_close(value, want[name], rtol=0, atol=gb.F64_ATOL)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_loss_cut_from_the_graph_on_one_rank_raises_on_every_rank(stage: int) -> None:
+    """Rank 1's loss_fn runs the model and returns ``loss.detach()``: torch raises in backward
+    (DDP on that rank); fzero took it for a batch with no gradient path and trained on with
+    rank 1's gradient zero (a probe). A loss that never ran the model still contributes zeros
+    (`test_a_rank_whose_loss_leaves_the_model_out_contributes_zeros`)."""
+
+    def body(comm: Any) -> tuple[str, str, bool]:
+        model = gb.MLP64()
+        state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+
+        def loss_fn(call: Any, batch: Any) -> torch.Tensor:
+            loss = gb.mse_loss(call, batch)
+            return loss.detach() if comm.rank == 1 else loss
+
+        before = [t.clone() for t in state.params]
+        try:
+            fzero.make_train_step(model, loss_fn)(
+                state, gb.rank_rows(gb.mse_batches(1, rows=4)[0], comm.rank, 2))
+        except Exception as error:
+            same = all(x.equal(y) for x, y in zip(before, state.params, strict=True))
+            return type(error).__name__, str(error), same
+        return "trained", "", False
+
+    (kind0, message0, same0), (kind1, message1, same1) = fzero.SimWorld(2).run(body)
+    assert kind1 == "ValueError" and "cut from the graph" in message1 and same1, message1
+    assert kind0 == "StepError" and "rank(s) [1]" in message0 and same0, message0
