@@ -181,12 +181,26 @@ def shard_view(flat: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
     return flat[lo:hi]
 
 
+_WIDENED_CHUNK = 1 << 20  # float8 elements `all_finite` widens to float32 at a time
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every element is finite (no NaN, no infinity), without a tensor-sized
-    temporary: NaN and infinities propagate into the minimum and maximum."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
+    """Whether every element is finite (no NaN, no infinity; a complex one's real and imaginary
+    parts both), without a tensor-sized temporary: NaN and infinities propagate into the
+    minimum and maximum. (Complex tensors passed as finite, and float8 ones raised: torch has
+    no minimum of them; they are widened a chunk at a time.)"""
+    if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
         return True
-    low, high = torch.aminmax(tensor.detach().reshape(-1))
+    flat = tensor.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.element_size() == 1:  # float8
+        return all(_finite_range(chunk.float()) for chunk in flat.split(_WIDENED_CHUNK))
+    return _finite_range(flat)
+
+
+def _finite_range(flat: torch.Tensor) -> bool:
+    low, high = torch.aminmax(flat)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
@@ -284,7 +298,13 @@ def _add_weighted_blocks(total: torch.Tensor, units: torch.Tensor, weight: int) 
 
 
 def bucket_shards(flat: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-    """A ``(world_size, shard_numel)`` view of a bucket's padded flat buffer; row r is rank r's."""
+    """A ``(world_size, shard_numel)`` view of a bucket's padded flat buffer; row r is rank r's.
+
+    Raises:
+        ValueError: `flat` is not the bucket's flat buffer (1-D, contiguous, ``padded_numel``
+            elements): a longer one gave longer rows, silently.
+    """
+    _check_flat(flat, bucket, "bucket_shards")
     return einops.rearrange(flat, "(w s) -> w s", w=bucket.world_size)
 
 

@@ -417,7 +417,7 @@ def check_finite(flat: Tensor, bucket: Bucket) -> None:
         ValueError: naming every parameter with a non-finite value (a bad checkpoint or
             initializer): a NaN parameter would make every later step skip or spread.
     """
-    if not flat.is_floating_point() or all_finite(flat):
+    if all_finite(flat):
         return
     bad = [entry.name for entry in bucket.entries
            if not all_finite(flat[entry.offset : entry.end])]

@@ -1541,17 +1541,14 @@ def _check_skip(state: ShardState, stats: Any, control: Comm, max_skipped: int) 
 
 
 def _parameters_not_finite(state: ShardState) -> bool:
-    floating = [p for p in state.params if p.is_floating_point() and p.numel()]
-    if not floating:
-        return False
-    return not all(all_finite(p) for p in floating)
+    return not all(all_finite(p) for p in state.params)
 
 
 def _nonfinite_parameters(state: ShardState) -> list[str]:
     """Names of parameters with a non-finite value in this rank's part of them."""
     names = []
     for flat, bucket in zip(state.params, state.layout.buckets, strict=True):
-        if not flat.is_floating_point():
+        if all_finite(flat):
             continue
         if state.stage < 3:
             views = zip(bucket.entries, entry_views(flat, bucket), strict=True)

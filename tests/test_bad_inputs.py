@@ -337,6 +337,12 @@ CASES = [
     Case("plan: cap 0", lambda c: fzero.plan(c.model, 2, cap=0), VE, "cap must be"),
     Case("plan: floor 0", lambda c: fzero.plan(c.model, 2, floor=0), VE, "floor must be"),
     # --- shard / unshard / flatten / unflatten ------------------------------------------------
+    Case("bucket_shards: a longer buffer",
+         lambda c: fzero.bucket_shards(torch.zeros(c.layout.buckets[0].padded_numel + 2),
+                                       c.layout.buckets[0]), VE, "needs a flat buffer"),
+    Case("bucket_shards: a 2-D buffer",
+         lambda c: fzero.bucket_shards(torch.zeros(c.layout.buckets[0].padded_numel, 1),
+                                       c.layout.buckets[0]), VE, "needs a flat buffer"),
     Case("shard: rank == world_size", lambda c: fzero.shard(c.params, c.layout, 2), VE,
          r"rank must be an int in \[0, 2\), got rank=2"),
     Case("shard: rank -1", lambda c: fzero.shard(c.params, c.layout, -1), VE, "rank=-1"),
@@ -833,7 +839,7 @@ def test_the_table_covers_every_public_function() -> None:
         "CollectiveError", "CollectiveTimeout", "StepError", "SimWorldError",
         "OutsideOwnerError",  # errors
         "checkpoint", "memory", "optim",  # modules (their functions have rows or own tests)
-        "MicroBatches", "decay_matrices", "bucket_shards",  # a list, a rule, a view helper
+        "MicroBatches", "decay_matrices",  # a list, a rule
         "distributed", "init_distributed", "destroy_distributed",  # tests/test_comm.py
     }
     aliases = {"update": "optim", "adamw": "optim", "adam": "optim", "sgd": "optim",

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import fzero
+
 import guarantee_bodies as gb
 
 STAGES = [0, 1, 2, 3]

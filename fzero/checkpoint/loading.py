@@ -264,7 +264,7 @@ def _check_loaded(path: str, state: ShardState, comm: Comm, pin: Pin) -> None:
     could spread it), naming the parameters this rank found."""
     bad = []
     for flat, bucket in zip(state.params, state.layout.buckets, strict=True):
-        if not flat.is_floating_point() or all_finite(flat):
+        if all_finite(flat):
             continue
         lo = 0 if state.stage < 3 else bucket.shard_range(comm.rank)[0]
         for entry in bucket.entries:
