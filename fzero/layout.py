@@ -329,10 +329,10 @@ class ShardLayout:
                 if trainable and not differentiable(torch_dtype):
                     raise ValueError(f"bucket {raw['label']!r} is trainable but of dtype "
                                      f"{dtype}")
-                entries = tuple(
-                    Entry(name, tuple(shape), dtype, offset, tuple(aliases))
-                    for name, shape, offset, aliases in raw["entries"]
-                )
+                entries = tuple(_entry_from_json(raw["label"], dtype, *fields)
+                                for fields in raw["entries"])
+                if not isinstance(raw["label"], str):
+                    raise TypeError(f"a bucket label must be a string, got {raw['label']!r}")
                 buckets.append(Bucket(raw["label"], entries, dtype, trainable, world_size))
         except (KeyError, TypeError, ValueError) as error:  # another writer's JSON, or edited
             raise ValueError(f"malformed layout JSON: {type(error).__name__}: {error}") from error
@@ -837,6 +837,25 @@ def _split_group(
             offset += math.prod(shape)
         suffix = "" if len(kinds) == 1 else f"[{'trainable' if train else 'frozen'},{dtype}]"
         yield Bucket(label + suffix, tuple(entries), dtype, train, world_size)
+
+
+def _entry_from_json(label: Any, dtype: str, name: Any, shape: Any, offset: Any,
+                     aliases: Any) -> Entry:
+    """One entry of `ShardLayout.from_json`, its fields' types checked (aliases given as a
+    string became one alias per character; a float shape gave a float size)."""
+
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(name, str):
+        raise TypeError(f"bucket {label!r}: an entry's name must be a string, got {name!r}")
+    if not isinstance(shape, list) or not all(whole(size) for size in shape):
+        raise TypeError(f"entry {name!r}: shape must be a list of sizes, got {shape!r}")
+    if not whole(offset):
+        raise TypeError(f"entry {name!r}: offset must be a whole number, got {offset!r}")
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        raise TypeError(f"entry {name!r}: aliases must be a list of names, got {aliases!r}")
+    return Entry(name, tuple(shape), dtype, offset, tuple(aliases))
 
 
 def _check_contiguous(layout: ShardLayout) -> None:

@@ -518,8 +518,18 @@ def _edited_layout(edit: Callable[[dict], object]) -> str:
     (lambda d: d["buckets"][0].update(dtype="int64"), "is trainable but of dtype int64"),
     (lambda d: d["buckets"][0]["entries"][0].__setitem__(3, ["a"]), "names parameter 'a' twice"),
     (lambda d: d.pop("buckets"), "malformed layout JSON: KeyError: 'buckets'"),
+    # took silently (a probe): aliases "xy" as two names, a float size, a name not a string
+    (lambda d: d["buckets"][0]["entries"][0].__setitem__(3, "xy"),
+     "entry 'a': aliases must be a list of names, got 'xy'"),
+    (lambda d: d["buckets"][0]["entries"][0].__setitem__(1, [1.5]),
+     r"entry 'a': shape must be a list of sizes, got \[1.5\]"),
+    (lambda d: d["buckets"][1]["entries"][0].__setitem__(2, 1.5),
+     "entry 'b': offset must be a whole number, got 1.5"),
+    (lambda d: d["buckets"][0]["entries"][0].__setitem__(0, 5),
+     "an entry's name must be a string, got 5"),
+    (lambda d: d["buckets"][0].update(label=7), "a bucket label must be a string, got 7"),
 ], ids=["world 0", "world str", "world bool", "trainable str", "trainable int", "self alias",
-        "no buckets"])
+        "no buckets", "aliases a str", "float size", "float offset", "int name", "int label"])
 def test_from_json_refuses_a_layout_plan_cannot_make(edit: Callable[[dict], object],
                                                      message: str) -> None:
     """`from_json` took these (a probe): they failed later, far from the JSON (a division by
