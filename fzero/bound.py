@@ -340,8 +340,10 @@ def check_structure(
         if flipped:
             now = {name: named[name].requires_grad for name in flipped[:5]}
             raise ValueError(
-                f"requires_grad changed after the state was built: {now} (showing "
-                f"{min(len(flipped), 5)} of {len(flipped)}). Which parameters train is fixed "
+                f"the module's requires_grad differs from the flags the state was built "
+                f"with: now {now} (showing {min(len(flipped), 5)} of {len(flipped)}): changed "
+                f"after the state was built, or the state was built from another module (or "
+                f"with another trainable=). Which parameters train is fixed "
                 f"when the state is built (fzero.init's trainable=, default the module's "
                 f"requires_grad then), so the change would be ignored. To train another set, "
                 f"build a new state (e.g. fzero.init(..., load=) from full_params or a "

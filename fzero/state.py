@@ -68,6 +68,7 @@ __all__ = [
     "check_finite",
     "check_live",
     "check_optimizer_dtype",
+    "check_tensors",
     "check_reduce_dtype",
     "clone_lineage",
     "clone_state",
@@ -453,6 +454,30 @@ def check_live(state: Any, what: str) -> None:
             f"Use the state that step returned, or keep a copy before the step with "
             f"fzero.clone_state(state)"
         )
+
+
+def check_tensors(state: ShardState, what: str) -> None:
+    """Raise unless the state's parameters and master copies are the tensors its layout and
+    config describe (dtype, size): a ``tree_map`` that converted them (``t.float()`` on a
+    float64 state) ran forward and backward and failed in the update, naming internal
+    buffers."""
+    for index, bucket in enumerate(state.layout.buckets):
+        numel = bucket.shard_numel if state.stage == 3 else bucket.padded_numel
+        for kind, tensor, dtype, size in (
+                ("parameter buffer", state.params[index], bucket.torch_dtype, numel),
+                ("master copy", state.master[index], state.config.master_dtype, None)):
+            if tensor is None:
+                continue
+            if not isinstance(tensor, Tensor) or tensor.dtype != dtype or (
+                    size is not None and tensor.numel() != size):
+                got = (f"{tensor.dtype} of {tensor.numel()} elements"
+                       if isinstance(tensor, Tensor) else type(tensor).__name__)
+                want = f"{dtype}{'' if size is None else f' of {size} elements'}"
+                raise ValueError(
+                    f"{what}: bucket {bucket.label!r} holds a {kind} of {got}, but the state "
+                    f"was built with {want}: its tensors were replaced (a tree_map that "
+                    f"converted them?). Convert a model with fzero.init's param_dtype= / "
+                    f"master_dtype=, or fzero.load a checkpoint with them")
 
 
 def clone_state(state: ShardState) -> ShardState:

@@ -82,6 +82,7 @@ from fzero.state import (
     Lease,
     ShardState,
     check_live,
+    check_tensors,
     lost_writes,
     params_fingerprint,
     state_bytes,
@@ -298,6 +299,7 @@ def make_train_step(
         try:  # the module is released whatever happens, an interrupt included
             try:  # checks that may fail on one rank only: reported to all through the header
                 check_live(state, "step")
+                check_tensors(state, "step")
                 _check_grad_mode()
                 release = claim(model, "step")
                 named = _check_model(model, state, requires_grad=state.config.requires_grad,
@@ -445,6 +447,7 @@ def make_eval_step(
         try:
             try:
                 check_live(state, "evaluate")
+                check_tensors(state, "evaluate")
                 release = claim(model, "evaluate")
                 named = _check_model(model, state)
             except Exception as exc:

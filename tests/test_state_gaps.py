@@ -5,6 +5,7 @@ here fails on its mutant (named in brackets) and passes on fzero."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -454,3 +455,29 @@ def test_stage3_a_read_of_a_bucket_in_use_is_no_new_use(world: int) -> None:
         sizes = out["bucket_bytes"]
         want_bytes = (sum(sizes) + sizes[2]) * (world - 1) // world
         assert out["gathered"][1:] == [want_bytes] * 2, (out["gathered"], want_bytes)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_state_whose_tensors_a_tree_map_converted_is_refused_before_forward(
+        stage: int) -> None:
+    """``tree_map(lambda t: t.float(), state)`` on a float64 state ran forward and backward and
+    failed in the update naming internal buffers ('grads[0] ... expected params[0]'s ...'), a
+    probe; the step and the eval step now name the bucket and what it was built with."""
+
+    def body(comm: Any) -> list[str]:
+        model = gb.MLP64()
+        state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+        converted = torch.utils._pytree.tree_map(
+            lambda t: t.float() if t.is_floating_point() else t, state)
+        batch = tuple(t.float() for t in gb.mse_batches(1, rows=4)[0])
+        messages = []
+        for run in (fzero.make_train_step(model, gb.mse_loss),
+                    fzero.make_eval_step(model, gb.mse_loss)):
+            with pytest.raises(ValueError) as caught:
+                run(converted, batch)
+            messages.append(str(caught.value))
+        return messages
+
+    for message in fzero.SimWorld(1).run(body)[0]:
+        assert "holds a parameter buffer of torch.float32" in message, message
+        assert "was built with torch.float64" in message, message
