@@ -699,7 +699,8 @@ def init(
             default the wider of the parameters' own dtype and `param_dtype`, but at least
             float32 (float64 stays float64, as torch.optim keeps it, also for a float32 model
             given ``param_dtype=torch.float64``; bfloat16 and float16 get a float32 master
-            copy).
+            copy). One dtype for the whole state: float32 parameters beside float64 ones are
+            updated in float64 and rounded back.
         reduce_dtype: dtype gradients are reduced in (default: the compute dtype). Stages 2-3
             also keep the reduced shards in it, so micro-batches accumulate in it; stages 0-1
             accumulate them in the compute dtype, in ``.grad`` (autograd's own accumulation, as
