@@ -689,8 +689,9 @@ def _group_by_block(
     block_of: Callable[[str], str | None],
     cap: int,
 ) -> list[tuple[str, list[str]]]:
-    """Consecutive parameters of one block form a group; the others fill groups up to `cap`."""
-    groups: list[tuple[str, list[str]]] = []
+    """Consecutive parameters of one block form a group; the others fill groups up to `cap`,
+    each labelled by its first and last parameters (`_span_label`)."""
+    groups: list[tuple[str | None, list[str]]] = []  # label None: filled, labelled at the end
     current_block: str | None = None
     filled = 0
     for name in stored:
@@ -701,11 +702,20 @@ def _group_by_block(
                 groups.append((block, []))
             current_block = block
         elif not groups or current_block is not None or (filled + numel > cap and filled > 0):
-            groups.append((name.rsplit(".", 1)[0] if "." in name else name, []))
+            groups.append((None, []))
             current_block, filled = None, 0
         groups[-1][1].append(name)
         filled += numel
-    return groups
+    return [(_span_label(names) if label is None else label, names) for label, names in groups]
+
+
+def _span_label(names: Sequence[str]) -> str:
+    """A label for parameters in order, from the first's and the last's module: ``"wte"``,
+    ``"tok_emb..pos_emb"``. The first's module alone misnamed a group that held others'
+    parameters too (a frozen ``teacher.*`` bucket was labelled ``student``, and errors named
+    the wrong module)."""
+    first, last = (n.rsplit(".", 1)[0] if "." in n else n for n in (names[0], names[-1]))
+    return first if first == last else f"{first}..{last}"
 
 
 def _merge_small(
@@ -830,13 +840,15 @@ def _split_group(
     for name in names:
         kinds.setdefault((is_trainable(name), _dtype_name(tensors[name].dtype)), []).append(name)
     for (train, dtype), members in kinds.items():
+        own = label if all(n.startswith(f"{label}.") for n in members) else _span_label(members)
         entries, offset = [], 0
         for name in members:
             shape = tuple(int(d) for d in tensors[name].shape)
             entries.append(Entry(name, shape, dtype, offset, tuple(aliases[name])))
             offset += math.prod(shape)
         suffix = "" if len(kinds) == 1 else f"[{'trainable' if train else 'frozen'},{dtype}]"
-        yield Bucket(label + suffix, tuple(entries), dtype, train, world_size)
+        yield Bucket((label if len(kinds) == 1 else own) + suffix, tuple(entries), dtype, train,
+                     world_size)
 
 
 def _entry_from_json(label: Any, dtype: str, name: Any, shape: Any, offset: Any,

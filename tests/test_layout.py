@@ -245,6 +245,20 @@ def test_a_deep_model_of_small_blocks_gets_buckets_of_about_the_floor():
     assert sum(sizes) == 200 * 490_700
 
 
+def test_a_bucket_s_label_names_the_modules_it_holds():
+    """A group of parameters outside any block took its first parameter's module as its label,
+    and kept it when split by kind: a frozen teacher's bucket was labelled
+    ``student[frozen,float64]`` and errors named the wrong module (a probe)."""
+    student, teacher = nn.Linear(3, 3), nn.Linear(3, 3).double().requires_grad_(False)
+    model = nn.ModuleDict({"student": student, "teacher": teacher})
+    assert [b.label for b in fzero.plan(model, 2, floor=1).buckets] == [
+        "student[trainable,float32]", "teacher[frozen,float64]"]
+    model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+    assert [b.label for b in fzero.plan(model, 2).buckets] == ["a..b"]  # one group, two modules
+    assert [b.label for b in fzero.plan(model, 2, buckets=3).buckets] == [
+        "a", "a", "b", "b"]  # weights alone under the cap, each bias alone
+
+
 def test_a_tied_group_merges_only_when_not_kept_separate():
     net = Net()  # the tied embedding (55) comes first: merged, it joins the blocks after it
     assert [(b.label, b.numel) for b in fzero.plan(net, 3, separate_tied=False).buckets] == [
