@@ -1315,7 +1315,7 @@ class _ShardedSession:
                 fn(call, micro))
 
         try:  # (copied inside forward: a parameter whose bucket was released gathers again)
-            out = self._forward(copying, model, batch)
+            out = self._forward(copying, model.__call__, model, batch)
         except PeerFailed:  # a gather round showed another rank failed (before any sequence)
             self._end_phase(ABORTED)
             out = None
