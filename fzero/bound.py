@@ -470,10 +470,11 @@ def check_buffers(
 
 
 def check_shared_memory(model: nn.Module) -> None:
-    """Raise if one of `model`'s buffers, or a tensor it keeps as a plain attribute (directly,
-    or in a list, tuple or dict), shares memory with a parameter or a buffer without being the
-    same tensor object: ``register_buffer("head", self.stats[:3])``, ``register_buffer(
-    "w_sg", self.w.detach())``, ``self.w_sg = self.lin.weight.detach()``.
+    """Raise if one of `model`'s buffers is one of its parameters (registered both ways), or a
+    buffer, or a tensor it keeps as a plain attribute (directly, or in a list, tuple or dict),
+    shares memory with a parameter or a buffer without being the same tensor object:
+    ``register_buffer("head", self.stats[:3])``, ``register_buffer("w_sg", self.w.detach())``,
+    ``self.w_sg = self.lin.weight.detach()``.
 
     A state keeps every parameter in its flat buckets and every buffer as a tensor of its own,
     and a step binds those under the registered names; in torch such an alias follows the
@@ -486,6 +487,15 @@ def check_shared_memory(model: nn.Module) -> None:
     Raises:
         ValueError: naming the two tensors and what to do instead.
     """
+    parameters = {id(param): name for name, param in model.named_parameters()}
+    for name, buffer in model.named_buffers():
+        if id(buffer) in parameters:
+            raise ValueError(
+                f"buffer {name!r} is parameter {parameters[id(buffer)]!r} (one tensor registered "
+                f"as a parameter and as a buffer): fzero keeps parameters in its flat buckets "
+                f"and buffers apart, so the buffer would keep the values it had when the state "
+                f"was built and pass no gradient, where torch's is the parameter. Read it "
+                f"through the parameter's name, or register a copy if it should not train")
     labelled: dict[int, tuple[str, Tensor]] = {}
     for name, param in model.named_parameters():
         labelled.setdefault(id(param), (f"parameter {name!r}", param))

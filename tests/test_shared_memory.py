@@ -113,6 +113,27 @@ def test_init_refuses_an_alias_that_would_go_stale(build: Callable[[], nn.Module
         assert name in message, (name, message)
 
 
+class ParameterAsBuffer(nn.Module):
+    """A parameter also registered as a buffer (one tensor object under both kinds of name),
+    read through the buffer's name: torch's buffer is the parameter, so it trains; the state
+    kept a copy of it as a buffer, which neither trained nor passed a gradient (a probe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _linear()
+        self.head = nn.Module()
+        self.head.register_buffer("shadow", self.lin.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.head.shadow.t() + self.lin.bias
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_init_refuses_a_parameter_registered_as_a_buffer_too(stage: int) -> None:
+    message = _raised(_init, ParameterAsBuffer(), stage)
+    assert "buffer 'head.shadow' is parameter 'lin.weight'" in message, message
+
+
 class SameTensorTwice(nn.Module):
     """One buffer object kept again as a plain attribute (Hugging Face's rotary embedding keeps
     ``original_inv_freq = inv_freq``), and a tied weight: the same tensors, never stale."""
