@@ -870,7 +870,11 @@ def _written_through_data(state: ShardState, written: Sequence[int]) -> ValueErr
                f"copy and the write lands in it, as in torch), or change parameters between "
                f"steps (fzero.full_params / a new state). This rank's parameters already hold "
                f"the write (forward wrote the state's own memory), its master copy does not: "
-               f"rebuild the state (a checkpoint, or fzero.init) before training on")
+               f"rebuild the state (a checkpoint, or fzero.init) before training on. (A "
+               f"tree_map over the state that changed the parameters apart from their master "
+               f"copy, such as an EMA's lerp_, shows the same: an EMA of such a state is "
+               f"averaged in each leaf's own dtype; read it with fzero.full_params(ema, "
+               f"master=True))")
     return ValueError(
         f"{'stage 3: ' if state.stage == 3 else ''}parameters of buckets {labels} were "
         f"written during the step in a way autograd does not see (through .data, e.g. "

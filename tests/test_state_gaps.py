@@ -481,3 +481,39 @@ def test_a_state_whose_tensors_a_tree_map_converted_is_refused_before_forward(
     for message in fzero.SimWorld(1).run(body)[0]:
         assert "holds a parameter buffer of torch.float32" in message, message
         assert "was built with torch.float64" in message, message
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_an_ema_of_a_bfloat16_state_keeps_its_master_exact_and_eval_says_why_it_refuses(
+        stage: int) -> None:
+    """The README's EMA recipe lerps every leaf in its own dtype. Over a bfloat16 state with a
+    float32 master, the master's EMA is exact (checked against an EMA of each step's
+    `full_params(master=True)`), while the bfloat16 parameters' EMA stands apart from it:
+    eval steps and saves refuse such a state, and said only that something wrote through
+    ``.data`` (a probe); they name the tree_map now."""
+
+    def body(comm: Any) -> tuple[bool, str]:
+        model = gb.MLP64(dtype=torch.float32)
+        state = fzero.init(model, stage=stage, optimizer=fzero.optim.adamw(lr=1e-2),
+                           comm=comm, param_dtype=torch.bfloat16)
+        ema = fzero.clone_state(state)
+        want = {n: t.clone() for n, t in fzero.full_params(state, master=True).items()}
+        step = fzero.make_train_step(model, gb.mse_loss)
+        for batch in gb.mse_batches(4, rows=4, dtype=torch.bfloat16):
+            state, _ = step(state, gb.rank_rows(batch, comm.rank, comm.world_size))
+            torch.utils._pytree.tree_map(
+                lambda e, s: e.lerp_(s, 0.01) if e.is_floating_point() else e.copy_(s),
+                ema, state)
+            for name, value in fzero.full_params(state, master=True).items():
+                want[name].lerp_(value, 0.01)
+        got = fzero.full_params(ema, master=True)
+        exact = all(torch.equal(got[n], want[n]) for n in want)
+        evaluate = fzero.make_eval_step(model, gb.mse_loss)
+        with pytest.raises((ValueError, fzero.StepError)) as caught:
+            evaluate(ema, gb.rank_rows(gb.mse_batches(1, rows=4, dtype=torch.bfloat16)[0],
+                                       comm.rank, comm.world_size))
+        return exact, str(caught.value)
+
+    for exact, message in fzero.SimWorld(2).run(body):
+        assert exact
+        assert "EMA" in message and "master=True" in message, message

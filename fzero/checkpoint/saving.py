@@ -123,12 +123,13 @@ def save(
         found += ([f"rank(s) {differ} hold full parameters that differ from rank 0's (a "
                    f"write that reached some ranks' copies only)"] if differ else [])
         raise CheckpointError(
-            f"save: the parameters hold a write outside a train step (through .data, or an "
-            f"in-place write in an eval step's forward) which training would drop or the "
-            f"ranks do not share: {'; '.join(found)}. A checkpoint would store it as if it "
-            f"were trained state; nothing was written. Rebuild the state (the last "
-            f"checkpoint, or fzero.init from fzero.full_params(state, master=True)) and drop "
-            f"the write")
+            f"save: the parameters hold a write outside a train step (through .data, an "
+            f"in-place write in an eval step's forward, or a tree_map over the state such as "
+            f"an EMA's lerp_ of parameters that have a separate master copy) which training "
+            f"would drop or the ranks do not share: {'; '.join(found)}. A checkpoint would "
+            f"store it as if it were trained state; nothing was written. Rebuild the state "
+            f"(the last checkpoint, or fzero.init from fzero.full_params(state, master=True)) "
+            f"and drop the write")
     if any(row[1] for row in rows):
         if bad_extra is not None:
             raise bad_extra
