@@ -547,3 +547,34 @@ def test_a_save_that_a_rank_does_not_join_names_the_save(tmp_path) -> None:
         message = fzero.SimWorld(2, timeout=1.5).run(stalled)[0]
     assert f"of fzero.save({path!r})'s file reports (each rank wrote its file)" in message
     assert not os.path.exists(path)
+
+
+def _narrow_master_body(comm: Any, path: str) -> dict[str, torch.Tensor]:
+    with seeded(0):
+        model = torch.nn.Linear(4, 3)
+    state = fzero.init(model, stage=1, optimizer=fzero.optim.sgd(lr=0.1), comm=comm,
+                       master_dtype=torch.float16)
+    fzero.save(state, path)
+    return {name: t.clone() for name, t in model.state_dict().items()}
+
+
+def _loaded_weight(comm: Any, path: str, dtype: torch.dtype | None) -> torch.Tensor:
+    model = torch.nn.Linear(4, 3).to("meta")
+    state = fzero.load(path, model=model, comm=comm, param_dtype=dtype)
+    return fzero.full_params(state)["weight"].clone()
+
+
+def test_parameters_saved_beside_a_narrower_master_are_read_from_themselves(tmp_path) -> None:
+    """float32 parameters over a float16 master copy, saved before the first update (when the
+    parameters are not yet the master's cast): an export or load in another dtype read the
+    parameters from the float16 master, 1e-4 off the stored float32 values (a probe)."""
+    path = str(tmp_path / "c")
+    want = fzero.SimWorld(2).run(_narrow_master_body, path)[0]["weight"]
+    out = str(tmp_path / "out")
+    offline.export(path, out, dtype=torch.float64)
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(os.path.join(out, "model.safetensors"))["weight"],
+                       want.double())
+    for dtype in (torch.float64, torch.bfloat16):
+        got = fzero.SimWorld(2).run(_loaded_weight, path, dtype)[0]
+        assert torch.equal(got, want.to(dtype)), dtype

@@ -199,6 +199,8 @@ class Reader:
         self.pin = pin
         self._located = manifest.layout.locate()
         self._master = set(manifest.state["master"])
+        self._master_dtype = record.stored_dtype(manifest.state, manifest.layout, record.MASTER,
+                                                 0)
         self._files: dict[int, ShardFile] = {}
 
     def __enter__(self) -> Reader:
@@ -247,11 +249,14 @@ class Reader:
 
     def _source(self, kind: str, old_bucket: int, dtype: torch.dtype) -> str:
         """The stored tensor that feeds `kind`: parameters of another dtype come from the
-        master copy when there is one (exact), a master copy from the parameters when the
-        parameters were the master copy."""
+        master copy when there is one at least as wide (exact; a narrower one, float16 under
+        float32 parameters, saved before its first update, rounded the parameters it did not
+        yet equal), a master copy from the parameters when the parameters were the master
+        copy."""
         stored_params = self.manifest.layout.buckets[old_bucket].torch_dtype
         has_master = old_bucket in self._master
-        if kind == record.PARAMS and (stored_params == dtype or not has_master):
+        narrower = has_master and self._master_dtype.itemsize < stored_params.itemsize
+        if kind == record.PARAMS and (stored_params == dtype or not has_master or narrower):
             return record.key(record.PARAMS, old_bucket)
         if kind in (record.PARAMS, record.MASTER):
             return record.key(record.MASTER if has_master else record.PARAMS, old_bucket)
