@@ -428,6 +428,18 @@ def check_finite(flat: Tensor, bucket: Bucket) -> None:
     )
 
 
+def _raise_overflow(values: Tensor, bucket: Bucket, dtype: torch.dtype) -> None:
+    """Raise naming the parameters of a bucket whose finite `values` overflow `dtype` (a
+    float32 value of 1e5 is infinite in float16: the first step then blamed the parameters)."""
+    bad = [entry.name for entry in bucket.entries
+           if not all_finite(values[entry.offset : entry.end].to(dtype))]
+    raise ValueError(
+        f"parameters {bad} (bucket {bucket.label!r}) hold values beyond "
+        f"{str(dtype).removeprefix('torch.')}'s range (largest {torch.finfo(dtype).max:g}), "
+        f"which param_dtype= would make infinite; train in a wider dtype (bfloat16 has "
+        f"float32's range) or rescale them")
+
+
 def check_live(state: Any, what: str) -> None:
     """Raise unless `state` is a `ShardState` that no train step has consumed.
 
@@ -779,6 +791,9 @@ def init(
         truth = _on_rank0(comm, lambda b=bucket: source(b), f"bucket {bucket.label!r}")
         comm.broadcast(truth, src=0, label=f"of bucket {bucket.label!r}'s initial values")
         check_finite(truth, bucket)  # every rank holds rank 0's values: all decide alike
+        cast = layout.buckets[index].torch_dtype
+        if cast != truth.dtype and not all_finite(truth.to(cast)):  # (whole: alike too)
+            _raise_overflow(truth, bucket, cast)
         # Stage 3 keeps a copy of its shard, so the full buffer is freed after this bucket.
         kept = _keep(truth, bucket, comm.rank, full=stage < 3)
         compute = kept.to(layout.buckets[index].torch_dtype, copy=stage == 3)

@@ -517,3 +517,25 @@ def test_an_ema_of_a_bfloat16_state_keeps_its_master_exact_and_eval_says_why_it_
     for exact, message in fzero.SimWorld(2).run(body):
         assert exact
         assert "EMA" in message and "master=True" in message, message
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_init_refuses_values_param_dtype_would_make_infinite(stage: int) -> None:
+    """A float32 value of 1e5 is infinite in float16: `init(param_dtype=torch.float16)` took
+    it, and the first step raised that the parameters themselves hold NaN or infinite values,
+    naming a checkpoint as the likely cause (a probe)."""
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight[0, 0] = 1e5
+
+    def body(comm: Any) -> str:
+        with pytest.raises(ValueError) as caught:
+            fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm,
+                       param_dtype=torch.float16)
+        return str(caught.value)
+
+    for message in fzero.SimWorld(2).run(body):
+        assert "parameters ['weight']" in message and "beyond float16's range" in message
+    fzero.SimWorld(2).run(lambda comm: fzero.init(  # bfloat16 has float32's range
+        model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm,
+        param_dtype=torch.bfloat16))
