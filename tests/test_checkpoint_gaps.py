@@ -578,3 +578,24 @@ def test_parameters_saved_beside_a_narrower_master_are_read_from_themselves(tmp_
     for dtype in (torch.float64, torch.bfloat16):
         got = fzero.SimWorld(2).run(_loaded_weight, path, dtype)[0]
         assert torch.equal(got, want.to(dtype)), dtype
+
+
+def _save_large(comm: Any, path: str) -> None:
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight[0, 0] = 1e5
+    fzero.save(fzero.init(model, stage=1, optimizer=fzero.optim.sgd(lr=0.1), comm=comm), path)
+
+
+def _load_narrow(comm: Any, path: str) -> str:
+    with pytest.raises(CheckpointError) as caught:
+        fzero.load(path, model=torch.nn.Linear(3, 2), comm=comm, param_dtype=torch.float16)
+    return str(caught.value)
+
+
+def test_a_load_whose_param_dtype_overflows_says_so(tmp_path) -> None:
+    """It said only that the checkpoint came from a diverged run or is damaged."""
+    path = str(tmp_path / "c")
+    fzero.SimWorld(2).run(_save_large, path)
+    for message in fzero.SimWorld(2).run(_load_narrow, path):
+        assert "'weight'" in message and "beyond param_dtype torch.float16's range" in message

@@ -287,6 +287,8 @@ def _check_loaded(path: str, state: ShardState, comm: Comm, pin: Pin) -> None:
             f"{path}: loaded parameters hold NaN or infinite values "
             f"({_short(bad) if bad else 'in the part another rank loaded'}); the checkpoint "
             f"was saved from a diverged run or is damaged"
+            + (f", or holds values beyond param_dtype {state.config.param_dtype}'s range"
+               if state.config.param_dtype is not None else "")
         )
 
 
