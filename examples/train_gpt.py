@@ -22,12 +22,10 @@ process (no fzero, no process group): the baseline fzero's losses must match.
 a job that is killed and restarted with the same command picks up where it stopped, on any
 number of ranks, and draws exactly the batches the uninterrupted run would have (the data
 generator's state is saved in the checkpoint too). Under ``torchrun --max-restarts 2`` that
-happens by itself when a rank dies; on torch 2.13 also set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
-for torchrun, whose shared store otherwise hands the restarted ranks the dead ranks' addresses
-(tests/test_recovery.py)::
+happens by itself when a rank dies (tests/test_recovery.py)::
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
-        --max-restarts 2 examples/train_gpt.py --save-every 50 --resume ckpt
+    torchrun --standalone --nproc-per-node 2 --max-restarts 2 \\
+        examples/train_gpt.py --save-every 50 --resume ckpt
 """
 
 from __future__ import annotations

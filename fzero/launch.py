@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import time
-import warnings
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -174,7 +173,10 @@ def init_distributed(
 
     Reads torchrun's or Slurm's variables (see `parse_launch_env`); with neither, makes a
     single-process world (rank 0 of 1, in-memory store) so scripts run without a launcher.
-    If the default group already exists, returns a `TorchComm` over it.
+    If the default group already exists, returns a `TorchComm` over it. Every rank checks
+    that the others read its world size and that no other process read its rank; under
+    torchrun's agent store each restart attempt meets under a prefix of its own (so
+    ``--max-restarts`` works with any rendezvous).
 
     A process that exits without destroying its group aborts under gloo: prefer
     `with fzero.distributed() as comm:`, or call `destroy_distributed()` at the end.
@@ -195,12 +197,13 @@ def init_distributed(
         ValueError: On a missing or malformed launcher variable, no usable CUDA device, or a
             timeout not above zero.
         TypeError: A timeout neither a timedelta nor seconds.
+        RuntimeError: The rendezvous failed: a rank missing past the timeout, an unreachable
+            store, ranks that read different world sizes, or a rank started twice.
     """
     timeout = as_timeout(timeout) or DEFAULT_TIMEOUT  # (seconds too, as TorchComm's)
     if dist.is_initialized():
         return TorchComm(transport=transport)
     env = parse_launch_env(os.environ)
-    _check_restart_store(os.environ)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     dev = _pick_device(backend, env.local_rank, device)
@@ -209,16 +212,24 @@ def init_distributed(
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if backend == "nccl":
         kwargs["device_id"] = dev
+    # Under torchrun the agent may serve the store itself (its static rendezvous always, its
+    # c10d one unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): each attempt of the job then
+    # keeps its keys under a prefix of its own, or a restarted group would read the dead
+    # workers' addresses (`env://` did: every restart failed to connect or hung).
+    agent = env.launcher == "torchrun" and (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
     try:
-        if env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            dist.init_process_group(init_method="env://", **kwargs)  # the agent's own store
-        elif env.world_size == 1:
+        if env.world_size == 1 and not agent:
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         else:
-            store = dist.TCPStore(str(env.master_addr), int(env.master_port or 0),
-                                  is_master=env.rank == 0, timeout=timeout,
-                                  wait_for_workers=False, multi_tenant=True)  # (as torch's:
-            # a second group in this process shares the server the first one's store runs)
+            store: dist.Store = dist.TCPStore(
+                str(env.master_addr), int(env.master_port or 0),
+                is_master=env.rank == 0 and not agent, timeout=timeout,
+                wait_for_workers=False, multi_tenant=True)  # (as torch's: a second group in
+            # this process shares the server the first one's store runs)
+            if agent:
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+                store = dist.PrefixStore(f"fzero/attempt{attempt}", store)
             group = _agree_on_world_size(store, env, timeout)
             dist.init_process_group(store=dist.PrefixStore(f"fzero/{group}", store),
                                     rank=env.rank, world_size=env.world_size, **kwargs)
@@ -252,6 +263,14 @@ def _agree_on_world_size(store: dist.Store, env: LaunchEnv, timeout: timedelta) 
     variable = "SLURM_NTASKS" if env.launcher == "slurm" else "WORLD_SIZE"
     verdict_key, mismatch_key, read_key = (f"{_WORLD_KEY}{name}"
                                            for name in ("verdict", "mismatch", "read"))
+    claim_key = f"{_WORLD_KEY}claimed/{env.rank}"
+    if store.add(claim_key, 1) > 1:  # (the first process of this rank goes on)
+        own = "SLURM_PROCID" if env.launcher == "slurm" else "RANK"
+        raise RuntimeError(
+            f"rank {env.rank} was started twice: another process of this job read "
+            f"{own}={env.rank} too and joined first. Every process must read a rank of its own "
+            f"(under Slurm from the one `srun` that starts them all, not a RANK exported by "
+            f"hand; under torchrun its own variables)")
     store.set(f"{_WORLD_KEY}{env.rank}", str(env.world_size))
     if env.rank != 0:
         first = int(store.get(f"{_WORLD_KEY}0"))
@@ -287,8 +306,9 @@ def _agree_on_world_size(store: dist.Store, env: LaunchEnv, timeout: timedelta) 
     deadline = time.monotonic() + grace
     while store.add(read_key, 0) < len(others) and time.monotonic() < deadline:
         time.sleep(0.01)
-    for key in (*others, verdict_key, mismatch_key, read_key):  # (rank 0's own stays, for a
-        store.delete_key(key)  # rank beyond its world that comes late: it raises at once)
+    claims = [f"{_WORLD_KEY}claimed/{r}" for r in range(env.world_size)]
+    for key in (*others, *claims, verdict_key, mismatch_key, read_key):  # (rank 0's own
+        store.delete_key(key)  # stays, for a rank beyond its world that comes late: it raises)
     if not agreed:
         raise RuntimeError(_WORLD_HELP.format(verdict=verdict))
     return int(verdict.removeprefix(_AGREED))
@@ -332,34 +352,6 @@ def _rendezvous_help(env: LaunchEnv, timeout: timedelta,
         f"rank {env.rank} of {env.world_size} waited {timeout.total_seconds():g} s at the "
         f"rendezvous {where} and not every rank arrived: {started}"
     )
-
-
-RESTART_STORE_CAUSE = (
-    "torchrun's workers share the agent's TCP store; on torch 2.x that store keeps the dead "
-    "workers' addresses, and a restarted group fails to connect or hangs (pytorch/pytorch#135712). "
-    "Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, e.g. "
-    "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts 2 ...`"
-)
-
-
-def _check_restart_store(environ: Mapping[str, str]) -> None:
-    """Refuse a torchrun restart that would rendezvous through a stale shared store, and warn
-    (rank 0) at the first attempt of a job that allows restarts it could not make."""
-    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return
-    count = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if count not in ("", "0"):
-        raise RuntimeError(
-            f"this process is restart {count} of a torchrun job, which cannot rendezvous: "
-            + RESTART_STORE_CAUSE
-        )
-    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-    if restarts not in ("", "0") and environ.get("RANK", "0") == "0":
-        warnings.warn(
-            f"torchrun --max-restarts {restarts}: a restart of this job would be refused, "
-            "since " + RESTART_STORE_CAUSE,
-            RuntimeWarning, stacklevel=3,
-        )
 
 
 def destroy_distributed() -> None:

@@ -3,15 +3,13 @@ resumes by itself and ends bitwise where the uninterrupted run ends; a process S
 it saves leaves the previous checkpoint complete, found by `latest` and loaded bitwise.
 
 [Note: torchrun restarts on torch 2.13]
-torchrun's c10d rendezvous shares one TCPStore with the workers by default. On torch 2.13 the
-agent creates that store once and every restart attempt reuses it (same MASTER_PORT) with no
-per-attempt prefix, the problem of pytorch/pytorch#135712: the restarted workers can read the
-killed workers' gloo addresses and fail to connect ("Connection refused"), or hang in
-`connectFullMesh` until the group's timeout. Measured here: the first
-restart failed in 3 of 3 killed runs of this test's job (one then hung for 10 minutes) and in 2
-of 3 runs of a 10-line script without fzero. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (for the
-torchrun process) gives every attempt its own store: the tests set it, as any job that relies on
-restarts must.
+torchrun's agent serves the store its workers meet in (its c10d rendezvous by default, its
+static one always) and keeps it across restart attempts, the problem of pytorch/pytorch#135712:
+through ``env://`` the restarted workers read the killed workers' gloo addresses and failed to
+connect ("Connection refused") or hung in `connectFullMesh` until the group's timeout (the first
+restart failed in 3 of 3 killed runs of this test's job, and in 2 of 3 runs of a 10-line script
+without fzero). `fzero.init_distributed` keeps each attempt's keys under a prefix of its own,
+so these tests run torchrun as a user would, with no environment variable.
 """
 
 from __future__ import annotations
@@ -47,11 +45,11 @@ needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="re
 
 
 def env() -> dict[str, str]:
-    """This checkout's fzero first, one thread per process, and a store per torchrun attempt
+    """This checkout's fzero first, one thread per process, and torchrun's own store sharing
     (see the module's note)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1",
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    environ = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    return {**environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
 def torchrun(ckpt: Path, metrics: Path) -> list[str]:
