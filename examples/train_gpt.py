@@ -423,10 +423,9 @@ def run(args: argparse.Namespace, comm) -> None:
                        extra={"steps_done": i, "data_rng": data_rng})
     bar.close()
     wall = time.perf_counter() - t_start
-    if not losses:
-        if master:
-            print(f"done   all {args.steps} steps were taken already")
-        return
+    if not losses and master:  # (a restart after the last save: evaluated and reported all
+        # the same, or a job killed during its evaluation would end without it)
+        print(f"done   all {args.steps} steps were taken already")
 
     # evaluation and sample (full_params is a collective: every rank calls it) -----
     if comm is None:
@@ -447,7 +446,9 @@ def run(args: argparse.Namespace, comm) -> None:
     with torch.no_grad():
         val = [loss_fn(call, (x.to(device), y.to(device))) for x, y in val_batches]
     val_loss = float(torch.stack(val).mean())
-    if master:
+    if master and not losses:
+        print(f"       val loss {val_loss:.3f}")
+    elif master:
         steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
         print(
             f"done   loss {losses[0]:.3f} -> {losses[-1]:.3f} (last-10 mean "
@@ -456,7 +457,33 @@ def run(args: argparse.Namespace, comm) -> None:
             f"{tokens_per_step / steady:,.0f} tok/s"
         )
 
-    # memory and communication against the paper ----------------------------
+    # memory and communication against the paper (measured by the steps run) ------
+    if losses:
+        report_memory(args, metrics, psi, world, rank, master, param_dtype, comm)
+
+    if master and args.sample_bytes > 0:
+        prompt = "def "
+        text = generate(call, prompt, args.sample_bytes, args.seq_len, 0.8, args.seed, device)
+        print(f"\nsample (temperature 0.8):\n{text}")
+
+    if args.metrics_json:  # for tests and scripts: each rank's losses, as that rank saw them
+        import json
+
+        mine = {"rank": rank, "losses": losses, "val_loss": val_loss, "device": str(device)}
+        every = [None] * world
+        if world > 1:
+            dist.all_gather_object(every, mine)
+        else:
+            every = [mine]
+        if master:
+            with open(args.metrics_json, "w") as f:
+                json.dump(every, f)
+
+
+def report_memory(args: argparse.Namespace, metrics: dict, psi: int, world: int, rank: int,
+                  master: bool, param_dtype: torch.dtype, comm) -> None:
+    """Print every rank's model-state bytes and traffic of the last step against the paper's
+    formulas (a collective)."""
     param_bytes = torch.empty((), dtype=param_dtype).element_size()
     stage = 0 if comm is None else args.stage
     state_theory, comm_theory = zero_theory(psi, world, stage, param_bytes, args.accum_steps)
@@ -493,24 +520,6 @@ def run(args: argparse.Namespace, comm) -> None:
                 f"| {r['comm']:,} | {r['comm_theory']:,.0f} | {comm_ratio} "
                 f"| {r['gathered']:,} |"
             )
-
-    if master and args.sample_bytes > 0:
-        prompt = "def "
-        text = generate(call, prompt, args.sample_bytes, args.seq_len, 0.8, args.seed, device)
-        print(f"\nsample (temperature 0.8):\n{text}")
-
-    if args.metrics_json:  # for tests and scripts: each rank's losses, as that rank saw them
-        import json
-
-        mine = {"rank": rank, "losses": losses, "val_loss": val_loss, "device": str(device)}
-        every = [None] * world
-        if world > 1:
-            dist.all_gather_object(every, mine)
-        else:
-            every = [mine]
-        if master:
-            with open(args.metrics_json, "w") as f:
-                json.dump(every, f)
 
 
 def reference_trainer(model: nn.Module, args: argparse.Namespace, schedule, clip_norm):

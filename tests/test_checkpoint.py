@@ -1368,8 +1368,15 @@ def test_train_gpt_restarts_where_it_stopped(tmp_path) -> None:
     assert whole_tensors.keys() == resumed_tensors.keys()
     for key, value in whole_tensors.items():
         assert bitwise_equal(resumed_tensors[key], value), key
-    done = run_example(*args, "--resume", str(tmp_path / "b"))
+    # A rerun after the last save (a restart of a job killed during its evaluation) still
+    # evaluates and reports: it returned with neither (a probe).
+    metrics = tmp_path / "done.json"
+    done = run_example(*args, "--resume", str(tmp_path / "b"), "--metrics-json", str(metrics))
     assert "all 4 steps were taken already" in done
+    val = float(done.split("val loss ")[1].split()[0])
+    finished = run_example(*args, "--resume", str(tmp_path / "a"))  # (evaluated as it ended)
+    assert f"val loss {val:.3f}" in finished
+    assert json.loads(metrics.read_text())[0]["losses"] == []
 
 
 @pytest.mark.slow
