@@ -295,6 +295,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--steps, --batch-size, --accum-steps and --seq-len must be >= 1")
     if min(args.save_every, args.stop_after, args.sample_bytes) < 0:
         ap.error("--save-every, --stop-after and --sample-bytes must be >= 0 (0: never)")
+    if not (math.isfinite(args.lr) and args.lr > 0) or args.warmup_steps < 0:
+        ap.error("--lr must be a positive number and --warmup-steps >= 0")
+    if not (math.isfinite(args.clip_norm) and args.clip_norm >= 0):
+        ap.error("--clip-norm must be a number >= 0 (0: no clipping)")
+    if args.metrics_json and not os.path.isdir(os.path.dirname(os.path.abspath(
+            args.metrics_json))):
+        ap.error(f"--metrics-json {args.metrics_json}: its directory does not exist (it is "
+                 f"written at the end of the run)")
     args.warmup_steps = min(args.warmup_steps, args.steps)
     if args.save_every and not args.resume:
         ap.error("--save-every needs --resume DIR: the directory checkpoints go to")

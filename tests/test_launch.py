@@ -182,6 +182,14 @@ def test_torchrun_on_the_gpu_trains_as_the_reference(tmp_path: Path) -> None:
     (["--stop-after", "-2", "--resume", "r"], "--stop-after and --sample-bytes must be >= 0"),
     (["--save-every", "-3", "--resume", "r"], "--stop-after and --sample-bytes must be >= 0"),
     (["--sample-bytes", "-1"], "--stop-after and --sample-bytes must be >= 0"),
+    # refused by fzero on every rank, as a traceback, after the set-up (a probe)
+    (["--lr", "-1"], "--lr must be a positive number"),
+    (["--lr", "nan"], "--lr must be a positive number"),
+    (["--warmup-steps", "-5"], "--warmup-steps >= 0"),
+    (["--clip-norm", "-1"], "--clip-norm must be a number >= 0"),
+    (["--clip-norm", "nan"], "--clip-norm must be a number >= 0"),
+    # failed after all training was done
+    (["--metrics-json", "/nonexistent-dir/m.json"], "its directory does not exist"),
 ])
 def test_train_gpt_refuses_sizes_below_their_bound(argv: list[str], said: str, capsys) -> None:
     """Sizes that trained on NaN (``--seq-len 0``) or said "all 2 steps were taken already"
