@@ -111,6 +111,13 @@ def parse_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     """
     if "RANK" in environ or "WORLD_SIZE" in environ:
         launcher, expected = "torchrun", _TORCHRUN_VARS
+        missing = [name for name in _TORCHRUN_VARS if not environ.get(name)]
+        if missing and "SLURM_PROCID" in environ:  # not torchrun: a variable exported by hand
+            raise ValueError(
+                f"{' and '.join(n for n in ('RANK', 'WORLD_SIZE') if n in environ)} is set, "
+                f"so torchrun's variables are read, but {', '.join(missing)} not: under srun "
+                f"without torchrun, unset RANK and WORLD_SIZE (exported by hand?) so that "
+                f"Slurm's SLURM_PROCID and SLURM_NTASKS are read")
         rank = _env_int(environ, "RANK", launcher, expected)
         world_size = _env_int(environ, "WORLD_SIZE", launcher, expected)
         local_rank = _env_int(environ, "LOCAL_RANK", launcher, expected)

@@ -150,6 +150,14 @@ def test_parse_launch_env_torchrun_wins_over_slurm() -> None:
     assert env == LaunchEnv("torchrun", 3, 8, 1, "10.0.0.1", 29500)
 
 
+def test_a_world_size_exported_under_srun_is_named_as_such() -> None:
+    """WORLD_SIZE exported by hand under srun (no torchrun): the error said a torchrun launch
+    was detected, though torchrun never ran (a probe)."""
+    with pytest.raises(ValueError, match="WORLD_SIZE is set, so torchrun's variables are read, "
+                                         "but RANK, LOCAL_RANK, MASTER_ADDR not: under srun"):
+        parse_launch_env({**SLURM, "WORLD_SIZE": "2"})
+
+
 def test_parse_launch_env_none() -> None:
     assert parse_launch_env({"PATH": "/bin"}) == LaunchEnv("none", 0, 1, 0, None, None)
 
@@ -178,10 +186,11 @@ def test_parse_launch_env_slurm_single_task_needs_no_rendezvous() -> None:
 @pytest.mark.parametrize("missing", sorted(TORCHRUN))
 def test_parse_launch_env_names_missing_torchrun_variable(missing: str) -> None:
     environ = {k: v for k, v in TORCHRUN.items() if k != missing}
-    if missing in ("RANK", "WORLD_SIZE"):
-        environ["SLURM_PROCID"] = "0"  # the other of the two still selects torchrun
     with pytest.raises(ValueError, match=f"torchrun launch detected but .*{missing} is not set"):
-        parse_launch_env(environ)
+        parse_launch_env(environ)  # (the other of RANK and WORLD_SIZE still selects torchrun)
+    if missing in ("RANK", "WORLD_SIZE"):  # under srun: the variable was exported by hand
+        with pytest.raises(ValueError, match=f"variables are read, but {missing} not: under srun"):
+            parse_launch_env({**environ, "SLURM_PROCID": "0"})
 
 
 @pytest.mark.parametrize("missing", ["SLURM_NTASKS", "SLURM_LOCALID", "MASTER_PORT"])
