@@ -1752,9 +1752,17 @@ class _Call:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self.forward(*args, **kwargs)
         if not self.graphed and torch.is_grad_enabled():
-            self.graphed = any(isinstance(t, Tensor) and t.requires_grad
-                               for t in pytree.tree_leaves(out))
+            self.graphed = _requires_grad_anywhere(out)
         return out
+
+    def __getattr__(self, name: str) -> Any:
+        """The bound forward's own attributes (``call.__self__``: the module)."""
+        return getattr(object.__getattribute__(self, "forward"), name)
+
+
+@unguarded  # (under stage 3's guard each ``.requires_grad`` is a Python round trip)
+def _requires_grad_anywhere(out: Any) -> bool:
+    return any(isinstance(t, Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
 
 
 def _check_loss(loss: Any, call: _Call) -> None:

@@ -1008,7 +1008,7 @@ def test_a_write_through_data_is_kept_or_raises_when_a_master_copy_would_drop_it
         assert [call for call, _, _ in out["errors"]] == ([1] if later else [0, 1]), (
             out["errors"])
         for _, message, unchanged in out["errors"]:
-            assert "parameters of buckets ['a'] were written during the step" in message
+            assert "parameters of buckets ['a..b'] were written during the step" in message
             assert "master copy" in message and "rebuild the state" in message
             assert unchanged
         assert float(out["weight"].abs().max()) > 0.3  # never clamped, never updated
