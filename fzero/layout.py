@@ -840,15 +840,16 @@ def _split_group(
     for name in names:
         kinds.setdefault((is_trainable(name), _dtype_name(tensors[name].dtype)), []).append(name)
     for (train, dtype), members in kinds.items():
-        own = label if all(n.startswith(f"{label}.") for n in members) else _span_label(members)
+        # split: each part named by what it holds, unless the group's label (its block) does
+        own = (label if len(kinds) == 1 or all(n.startswith(f"{label}.") for n in members)
+               else _span_label(members))
         entries, offset = [], 0
         for name in members:
             shape = tuple(int(d) for d in tensors[name].shape)
             entries.append(Entry(name, shape, dtype, offset, tuple(aliases[name])))
             offset += math.prod(shape)
         suffix = "" if len(kinds) == 1 else f"[{'trainable' if train else 'frozen'},{dtype}]"
-        yield Bucket((label if len(kinds) == 1 else own) + suffix, tuple(entries), dtype, train,
-                     world_size)
+        yield Bucket(own + suffix, tuple(entries), dtype, train, world_size)
 
 
 def _entry_from_json(label: Any, dtype: str, name: Any, shape: Any, offset: Any,
