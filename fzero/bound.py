@@ -487,15 +487,17 @@ def check_shared_memory(model: nn.Module) -> None:
     Raises:
         ValueError: naming the two tensors and what to do instead.
     """
-    parameters = {id(param): name for name, param in model.named_parameters()}
+    trained = {id(param): name for name, param in model.named_parameters()
+               if param.requires_grad}  # (a frozen one never changes: its copy stays equal)
     for name, buffer in model.named_buffers():
-        if id(buffer) in parameters:
+        if id(buffer) in trained:
             raise ValueError(
-                f"buffer {name!r} is parameter {parameters[id(buffer)]!r} (one tensor registered "
-                f"as a parameter and as a buffer): fzero keeps parameters in its flat buckets "
-                f"and buffers apart, so the buffer would keep the values it had when the state "
-                f"was built and pass no gradient, where torch's is the parameter. Read it "
-                f"through the parameter's name, or register a copy if it should not train")
+                f"buffer {name!r} is parameter {trained[id(buffer)]!r} (one tensor registered "
+                f"as a trainable parameter and as a buffer): fzero keeps parameters in its "
+                f"flat buckets and buffers apart, so the buffer would keep the values it had "
+                f"when the state was built and pass no gradient, where torch's is the "
+                f"parameter. Read it through the parameter's name, or register a copy if it "
+                f"should not train")
     labelled: dict[int, tuple[str, Tensor]] = {}
     for name, param in model.named_parameters():
         labelled.setdefault(id(param), (f"parameter {name!r}", param))

@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -181,9 +182,10 @@ def init_distributed(
     Reads torchrun's or Slurm's variables (see `parse_launch_env`); with neither, makes a
     single-process world (rank 0 of 1, in-memory store) so scripts run without a launcher.
     If the default group already exists, returns a `TorchComm` over it. Every rank checks
-    that the others read its world size and that no other process read its rank; under
-    torchrun's agent store each restart attempt meets under a prefix of its own (so
-    ``--max-restarts`` works with any rendezvous).
+    that the others read its world size and that no other process read its rank; on one
+    node under torchrun's agent store each restart attempt meets under a prefix of its own
+    (so ``--max-restarts`` works there with any rendezvous; several nodes need
+    ``--rdzv-backend c10d`` and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for it).
 
     A process that exits without destroying its group aborts under gloo: prefer
     `with fzero.distributed() as comm:`, or call `destroy_distributed()` at the end.
@@ -220,13 +222,19 @@ def init_distributed(
     if backend == "nccl":
         kwargs["device_id"] = dev
     # Under torchrun the agent may serve the store itself (its static rendezvous always, its
-    # c10d one unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): each attempt of the job then
-    # keeps its keys under a prefix of its own, or a restarted group would read the dead
-    # workers' addresses (`env://` did: every restart failed to connect or hung).
+    # c10d one unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and keeps it across restarts. On
+    # one node each attempt keeps its keys under a prefix of its own, or a restarted group
+    # would read the dead workers' addresses (`env://` did: every restart failed to connect or
+    # hung). Several nodes do not count attempts alike (a healthy node restarted for another's
+    # failure may not count it): there `_check_restart_store` refuses restarts.
     agent = env.launcher == "torchrun" and (
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE") or 1)
     try:
-        if env.world_size == 1 and not agent:
+        if agent and nodes > 1:
+            _check_restart_store(os.environ)
+            dist.init_process_group(init_method="env://", **kwargs)  # the agent's own store
+        elif env.world_size == 1 and not agent:
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         else:
             store: dist.Store = dist.TCPStore(
@@ -359,6 +367,30 @@ def _rendezvous_help(env: LaunchEnv, timeout: timedelta,
         f"rank {env.rank} of {env.world_size} waited {timeout.total_seconds():g} s at the "
         f"rendezvous {where} and not every rank arrived: {started}"
     )
+
+
+RESTART_STORE_CAUSE = (
+    "the workers of a torchrun job on several nodes meet in the agent's store, which torch "
+    "keeps across restarts with the dead workers' addresses (pytorch/pytorch#135712), and "
+    "its nodes do not count restarts alike. Launch every node with `--rdzv-backend c10d` and "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (each attempt's rank 0 "
+    "then serves a store of its own); torchrun's default static rendezvous (`--master-addr` "
+    "or `--rdzv-endpoint` without `--rdzv-backend`) always shares its store"
+)
+
+
+def _check_restart_store(environ: Mapping[str, str]) -> None:
+    """Several nodes sharing torchrun's agent store: refuse a restart, which would rendezvous
+    through a stale store, and warn (global rank 0) at the first attempt of a job that allows
+    restarts it could not make."""
+    count = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if count not in ("", "0"):
+        raise RuntimeError(f"this process is restart {count} of a torchrun job, which cannot "
+                           f"rendezvous: " + RESTART_STORE_CAUSE)
+    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if restarts not in ("", "0") and environ.get("RANK", "0") == "0":
+        warnings.warn(f"torchrun --max-restarts {restarts}: a restart of this job would be "
+                      f"refused, since " + RESTART_STORE_CAUSE, RuntimeWarning, stacklevel=3)
 
 
 def destroy_distributed() -> None:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -917,6 +918,34 @@ def test_torchrun_restart_attempts_meet_in_the_agents_store_under_their_own_pref
             exact(x, torch.ones(2))
         assert agent.check([f"fzero/attempt{attempt}/fzero/world_size/0"])
     assert not dist.is_initialized()
+
+
+def test_a_restart_of_several_nodes_sharing_the_agents_store_is_refused_with_what_works(
+    bare_env: pytest.MonkeyPatch,
+) -> None:
+    """Several nodes do not count restart attempts alike (torch's agent restarts a healthy
+    node for another's failure without counting it), so a prefix per attempt would split
+    the group: such a restart is refused at once, naming the launch that restarts (c10d with
+    the store sharing off), and rank 0 warns at the first attempt (a review)."""
+    from fzero.launch import _check_restart_store
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "2",
+                        "TORCHELASTIC_MAX_RESTARTS": "2",
+                        "TORCHELASTIC_RESTART_COUNT": "1"}.items():
+        bare_env.setenv(name, value)
+    with pytest.raises(RuntimeError, match="this process is restart 1 of a torchrun job.*"
+                                           "--rdzv-backend c10d.*DISABLE_SHARE_RDZV"):
+        init_distributed(backend="gloo")
+    assert not dist.is_initialized()
+    first = {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "2", "RANK": "0"}
+    with pytest.warns(RuntimeWarning, match="a restart of this job would be refused"):
+        _check_restart_store(first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per job: rank 0's
+        _check_restart_store({**first, "RANK": "1"})
+        _check_restart_store({**first, "TORCHELASTIC_MAX_RESTARTS": "0"})
 
 
 def test_a_rank_started_twice_is_told_so_at_once() -> None:

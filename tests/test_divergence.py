@@ -383,8 +383,10 @@ def test_ranks_on_different_paths_do_not_stall_each_other(monkeypatch: pytest.Mo
             torch.testing.assert_close(value, want[name], rtol=0, atol=gb.F64_ATOL)
 
 
+@pytest.mark.parametrize("cut", ["detach", "leaf"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_loss_cut_from_the_graph_on_one_rank_raises_on_every_rank(stage: int) -> None:
+def test_a_loss_cut_from_the_graph_on_one_rank_raises_on_every_rank(stage: int,
+                                                                    cut: str) -> None:
     """Rank 1's loss_fn runs the model and returns ``loss.detach()``: torch raises in backward
     (DDP on that rank); fzero took it for a batch with no gradient path and trained on with
     rank 1's gradient zero (a probe). A loss that never ran the model still contributes zeros
@@ -396,6 +398,8 @@ def test_a_loss_cut_from_the_graph_on_one_rank_raises_on_every_rank(stage: int) 
 
         def loss_fn(call: Any, batch: Any) -> torch.Tensor:
             loss = gb.mse_loss(call, batch)
+            if comm.rank == 1 and cut == "leaf":  # a new leaf requiring grad: cut too
+                return torch.tensor(loss.item(), dtype=loss.dtype, requires_grad=True)
             return loss.detach() if comm.rank == 1 else loss
 
         before = [t.clone() for t in state.params]

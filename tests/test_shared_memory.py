@@ -132,6 +132,9 @@ class ParameterAsBuffer(nn.Module):
 def test_init_refuses_a_parameter_registered_as_a_buffer_too(stage: int) -> None:
     message = _raised(_init, ParameterAsBuffer(), stage)
     assert "buffer 'head.shadow' is parameter 'lin.weight'" in message, message
+    frozen = ParameterAsBuffer()  # never changes: the buffer's copy stays equal (a review)
+    frozen.lin.weight.requires_grad_(False)
+    fzero.SimWorld(1, copy_args=False).run(_init, frozen, stage)
 
 
 class SameTensorTwice(nn.Module):
