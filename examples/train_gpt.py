@@ -478,14 +478,19 @@ def run(args: argparse.Namespace, comm) -> None:
         import json
 
         mine = {"rank": rank, "losses": losses, "val_loss": val_loss, "device": str(device)}
-        every = [None] * world
-        if world > 1:
-            dist.all_gather_object(every, mine)
-        else:
-            every = [mine]
+        every = every_rank(mine, world)
         if master:
             with open(args.metrics_json, "w") as f:
                 json.dump(every, f)
+
+
+def every_rank(value: dict, world: int) -> list[dict]:
+    """Every rank's `value`, in rank order (a collective over several ranks)."""
+    if world == 1:
+        return [value]
+    values: list = [None] * world
+    dist.all_gather_object(values, value)
+    return values
 
 
 def report_memory(args: argparse.Namespace, metrics: dict, psi: int, world: int, rank: int,
@@ -504,11 +509,7 @@ def report_memory(args: argparse.Namespace, metrics: dict, psi: int, world: int,
         "comm_theory": comm_theory,
         "gathered": int(metrics.get("gathered_bytes_peak", 0)),
     }
-    rows = [None] * world
-    if world > 1:
-        dist.all_gather_object(rows, row)
-    else:
-        rows = [row]
+    rows = every_rank(row, world)
     if master:
         print(
             f"\nper-rank model state and traffic, stage {stage}, N = {world}, "
