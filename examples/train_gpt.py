@@ -431,9 +431,6 @@ def run(args: argparse.Namespace, comm) -> None:
                        extra={"steps_done": i, "data_rng": data_rng})
     bar.close()
     wall = time.perf_counter() - t_start
-    if not losses and master:  # (a restart after the last save: evaluated and reported all
-        # the same, or a job killed during its evaluation would end without it)
-        print(f"done   all {args.steps} steps were taken already")
 
     # evaluation and sample (full_params is a collective: every rank calls it) -----
     if comm is None:
@@ -454,8 +451,9 @@ def run(args: argparse.Namespace, comm) -> None:
     with torch.no_grad():
         val = [loss_fn(call, (x.to(device), y.to(device))) for x, y in val_batches]
     val_loss = float(torch.stack(val).mean())
-    if master and not losses:
-        print(f"       val loss {val_loss:.3f}")
+    if master and not losses:  # (a restart after the last save: evaluated and reported all
+        # the same, or a job killed during its evaluation would end without it)
+        print(f"done   all {args.steps} steps were taken already; val loss {val_loss:.3f}")
     elif master:
         steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
         print(

@@ -189,11 +189,13 @@ def float_bits(value: float) -> int:
     return int(struct.unpack("<q", struct.pack("<d", value))[0])
 
 
+_HEX_FIELDS = ("fingerprint", "buffers", "settings", "state")  # shown in hexadecimal
+
+
 def _show(field: str, value: int) -> str:
     if field == "lr":
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
-    return f"{value:#x}" if field in ("fingerprint", "buffers", "settings", "state") else str(
-        value)
+    return f"{value:#x}" if field in _HEX_FIELDS else str(value)
 
 
 class Statistics(NamedTuple):

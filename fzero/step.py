@@ -1770,7 +1770,7 @@ def _check_loss(loss: Any, call: _Call) -> None:
         got = f"shape {tuple(loss.shape)} dtype {loss.dtype}" if isinstance(loss, Tensor) else (
             type(loss).__name__)
         raise ValueError(f"loss_fn must return a scalar floating-point tensor, got {got}")
-    if call.graphed and (not loss.requires_grad or loss.grad_fn is None):  # (a new leaf:
+    if call.graphed and loss.grad_fn is None:  # (also a new leaf that requires grad:
         # ``torch.tensor(loss.item(), requires_grad=True)`` is cut from the graph too)
         raise ValueError(
             "loss_fn's loss does not require grad, but the model's output did: the loss was cut "
