@@ -442,7 +442,9 @@ class Residency:
                 if not torch.equal(bits(self.full[index][lo:hi]), bits(self.shards[index])):
                     self.written.add(index)
             storage = self.full[index].untyped_storage()
-            if storage.is_shared():  # resized to 0 and back, it crashes the process (torch)
+            # A shared CPU storage resized to 0 and back crashes the process (torch); CUDA
+            # storages report is_shared() always (IPC-able) and resize as any other.
+            if storage.device.type == "cpu" and storage.is_shared():
                 raise RuntimeError(_SHARED_HELP.format(label=self.layout.buckets[index].label))
             self.by_pointer.pop(storage.data_ptr(), None)
             storage.resize_(0)
