@@ -558,6 +558,7 @@ class HeldElsewhere(nn.Module):
                 param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64))
         self._bufs = [self.gain]
         self._frozen = {"emb": self.emb}
+        self._scaled = (0.5, self.gain)  # a tuple is replaced whole (it is immutable)
         self._w: torch.Tensor | None = None
 
     def forward(self, x):
@@ -565,6 +566,7 @@ class HeldElsewhere(nn.Module):
             self._w = self.b.weight
         self.gain.mul_(0.9)
         hidden = torch.tanh(self.a(x) + self._frozen["emb"]) * self._bufs[0]
+        hidden = hidden + self._scaled[0] * self._scaled[1]
         return self.h(torch.tanh(torch.nn.functional.linear(hidden, self._w, self.b.bias)))
 
 
@@ -623,6 +625,9 @@ def test_references_held_outside_the_registry_read_the_state(stage, tmp_path):
         for seed in (2, 3):
             state, metrics = step(state, _batch(seed))
             losses.append(metrics["loss"])
+        # afterwards the module holds its own tensors again, as torch's would
+        assert fresh._bufs[0] is fresh.gain and fresh._scaled[1] is fresh.gain
+        assert fresh._frozen["emb"] is fresh.emb and fresh._w is fresh.b.weight
         return first, losses, fzero.full_params(state)
 
     (first, losses, got), = fzero.SimWorld(1).run(body, model)
