@@ -1761,8 +1761,27 @@ class _Call:
 
 
 @unguarded  # (under stage 3's guard each ``.requires_grad`` is a Python round trip)
-def _requires_grad_anywhere(out: Any) -> bool:
-    return any(isinstance(t, Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
+def _requires_grad_anywhere(out: Any, depth: int = 0) -> bool:
+    """Whether a tensor in `out` requires grad: its pytree leaves, and the fields of a leaf
+    that is a dataclass or a `torch.distributions.Distribution` (which torch's pytree takes
+    whole; a few levels deep)."""
+    for leaf in pytree.tree_leaves(out):
+        if isinstance(leaf, Tensor):
+            if leaf.requires_grad:
+                return True
+        elif depth < 4 and _requires_grad_anywhere(_fields(leaf), depth + 1):
+            return True
+    return False
+
+
+def _fields(value: Any) -> list[Any]:
+    """The values of a dataclass instance's fields or a distribution's attributes (an output
+    whose tensors torch's pytree does not see); nothing for anything else."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, field.name, None) for field in dataclasses.fields(value)]
+    if isinstance(value, torch.distributions.Distribution):
+        return list(vars(value).values())
+    return []
 
 
 def _check_loss(loss: Any, call: _Call) -> None:

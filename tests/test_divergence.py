@@ -13,11 +13,13 @@ whose grad is None): no decay, frozen moments, its own step count (`state.param_
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import fzero
 
@@ -414,3 +416,53 @@ def test_a_loss_cut_from_the_graph_on_one_rank_raises_on_every_rank(stage: int,
     (kind0, message0, same0), (kind1, message1, same1) = fzero.SimWorld(2).run(body)
     assert kind1 == "ValueError" and "cut from the graph" in message1 and same1, message1
     assert kind0 == "StepError" and "rank(s) [1]" in message0 and same0, message0
+
+
+@dataclasses.dataclass
+class _Prediction:
+    """A model output that torch's pytree does not look into (a plain dataclass)."""
+
+    mean: torch.Tensor
+
+
+class _Wrapped(nn.Module):
+    """`gb.MLP64` whose forward returns a `_Prediction` or a `torch.distributions.Normal`."""
+
+    def __init__(self, output: str) -> None:
+        super().__init__()
+        self.inner, self.output = gb.MLP64(), output
+
+    def forward(self, x: torch.Tensor) -> Any:
+        mean = self.inner(x)
+        if self.output == "dataclass":
+            return _Prediction(mean)
+        return torch.distributions.Normal(mean, torch.ones_like(mean))
+
+
+@pytest.mark.parametrize("output", ["dataclass", "distribution"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_loss_cut_from_an_output_that_is_no_pytree_raises(stage: int, output: str) -> None:
+    """As above, with the model's output a dataclass or a `torch.distributions` object, which
+    torch's pytree takes as one leaf: the check saw no tensor that required grad, and rank 1's
+    cut loss trained silently with its gradient zero (a probe)."""
+
+    def body(comm: Any) -> tuple[str, str]:
+        model = _Wrapped(output)
+        state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+
+        def loss_fn(call: Any, batch: Any) -> torch.Tensor:
+            x, y = batch
+            out = call(x)
+            loss = ((out.mean - y) ** 2).mean()
+            return loss.detach() if comm.rank == 1 else loss
+
+        try:
+            fzero.make_train_step(model, loss_fn)(
+                state, gb.rank_rows(gb.mse_batches(1, rows=4)[0], comm.rank, 2))
+        except Exception as error:
+            return type(error).__name__, str(error)
+        return "trained", ""
+
+    (kind0, message0), (kind1, message1) = fzero.SimWorld(2).run(body)
+    assert kind1 == "ValueError" and "cut from the graph" in message1, message1
+    assert kind0 == "StepError" and "rank(s) [1]" in message0, message0
