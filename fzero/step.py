@@ -66,7 +66,7 @@ from fzero.consensus import (
     exchange_statistics,
     float_bits,
 )
-from fzero.flat import alias_leaves, all_finite, entry_views, shard_view, unflatten
+from fzero.flat import alias_leaves, all_finite, bits, entry_views, shard_view, unflatten
 from fzero.layout import ShardLayout
 from fzero.optim import Schedule, clip_coefficient
 from fzero.residency import (
@@ -422,7 +422,9 @@ def make_eval_step(
 
     For stage 3 the buckets are gathered just in time as in training, and it is a collective:
     every rank must call it (with batches that may run different modules); below stage 3 it is
-    local. The state is not consumed and its buffers are not changed. It may run under
+    local. The state is not consumed and its buffers are not changed: a forward that updates
+    a buffer (a module left in training mode) raises, where torch's module would keep the
+    update (call ``model.eval()`` first). It may run under
     ``torch.inference_mode()``. A parameter `fn` returns (or a view of one) is, below stage 3,
     a view of the state (as torch returns the live weight: later steps change it); at stage 3,
     whose gathered parameters are released when the step returns, a copy.
@@ -463,13 +465,15 @@ def make_eval_step(
                   named: dict[str, Tensor]) -> Any:
         nonlocal checked_writes
         if state.stage < 3:
-            buffers = {name: b.clone() for name, b in state.buffers.items()}
+            with torch.inference_mode(False):  # (inference tensors keep no versions)
+                buffers = {name: b.clone() for name, b in state.buffers.items()}
             leaves = [entry_views(flat, bucket)
                       for flat, bucket in zip(state.params, state.layout.buckets, strict=True)]
             views = _views(leaves)
             with torch.no_grad():
                 out = binder.run(_bindings(state, leaves, buffers, named),
-                                 lambda: fn(model.__call__, batch))
+                                 lambda: fn(model.__call__, batch), keep=buffers)
+            _check_buffers_unwritten(buffers, state)
             replaced = _replaced(state.layout, leaves, views)
             if replaced:  # torch's module would keep the new data; the state would not
                 raise _replaced_data(replaced)
@@ -489,8 +493,9 @@ def make_eval_step(
             with _sharded(state, model, prefetch, streams, train=False,
                           check_writes=not checked_writes) as session:
                 out = binder.run(_bindings(state, session.leaves, buffers, named),
-                                 lambda: session.evaluate(fn, model, batch))
+                                 lambda: session.evaluate(fn, model, batch), keep=buffers)
             checked_writes = True
+            _check_buffers_unwritten(buffers, state)
             # The gathered copy a forward wrote in place is released with its bucket: torch's
             # module would keep the write (nn.Embedding(max_norm=...) in eval), the state not.
             _check_unmodified(session.leaves, session.versions, state)
@@ -502,6 +507,22 @@ def make_eval_step(
             return out
 
     return evaluate
+
+
+def _check_buffers_unwritten(copies: Mapping[str, Tensor], state: ShardState) -> None:
+    """Raise if an eval step's forward wrote its copies of the state's buffers: in place (a
+    version bump; a kernel's own write, such as BatchNorm's running statistics, bumps none, so
+    the bits are compared too) or by reassignment (`Binder.run`'s `keep` copies it in)."""
+    written = [name for name, copy in copies.items()
+               if copy._version or not torch.equal(bits(copy), bits(state.buffers[name]))]
+    if written:
+        raise ValueError(
+            f"evaluate: forward updated buffer(s) {written[:5]} (BatchNorm's running "
+            f"statistics, spectral_norm's power iteration: a module in training mode). An eval "
+            f"step leaves the state as it is, so the update would be lost, where torch's "
+            f"module keeps it. Call model.eval() before evaluating (torch's evaluation: no such "
+            f"updates, and model.train() before training again); to update such statistics "
+            f"on purpose, run the forward in a train step")
 
 
 def full_params(state: ShardState, *, master: bool = False) -> dict[str, Tensor]:

@@ -1194,6 +1194,7 @@ def _replaced_body(comm: Any) -> None:
     state, _ = step(state, batch)
     evaluate = fzero.make_eval_step(model, lambda call, b: call(b[0]))
     model.bn.running_var.fill_(2.0)  # a meta tensor: no values to ignore
+    model.eval()  # (in training mode BatchNorm would update its statistics: an eval refuses)
     evaluate(state, batch)
 
 
@@ -1207,11 +1208,13 @@ def _eval_and_load_body(comm: Any, path: str) -> None:
     batch = gb.mse_batches(1, rows=4, d_in=5, d_out=3)[0]
     with torch.no_grad():
         model.fc1.bias.zero_()
+    model.eval()  # (BatchNorm: no statistics updated)
     with pytest.raises(ValueError, match=r"tensors \['fc1.bias'\] were written in place"):
         evaluate(state, batch)
     # A load records the module's tensors as they are then: the write before it counts as seen.
     loaded = fzero.checkpoint.load(path, model=model, stage=1, optimizer=opt, comm=comm)
     evaluate(loaded, batch)
+    model.train()
     with torch.no_grad():
         model.fc2.bias.zero_()
     with pytest.raises(ValueError, match=r"tensors \['fc2.bias'\] were written in place"):

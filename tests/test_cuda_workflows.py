@@ -55,7 +55,8 @@ class TiedNet(nn.Module):
         self.double()
 
     def forward(self, tokens: torch.Tensor) -> Output:
-        self.calls.add_(1)
+        if self.training:
+            self.calls.add_(1)
         hidden = self.emb(tokens) + self.shift
         hidden = checkpoint(self.block, hidden, use_reentrant=False)
         return Output(self.head(hidden))
@@ -89,7 +90,9 @@ def workflow(comm: Any, stage: int, device: str, path: str) -> dict[str, Any]:
     losses.append(float(metrics["loss"]))
     pytree.tree_map(lambda e, s: e.lerp_(s, 0.25) if e.is_floating_point() else e.copy_(s),
                     ema, state)
+    model.eval()  # (an eval step refuses a forward that updates buffers)
     evaluated = [float(evaluate(state, data[3])), float(evaluate(ema, data[3]))]
+    model.train()
     fzero.save(state, path, overwrite=True)
     fresh = TiedNet().to(device)
     state = fzero.load(path, model=fresh, comm=comm, device=device)

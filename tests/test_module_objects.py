@@ -394,29 +394,66 @@ def test_stage_3_refuses_a_forward_that_moves_parameters_to_shared_memory():
         assert loss == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_an_eval_step_under_inference_mode_may_update_buffers_in_place(stage):
-    """An eval step under ``torch.inference_mode()`` whose forward updates a buffer in place
-    (BatchNorm left in train mode counts its batches): stage 3 computes outside the caller's
-    inference mode but copied the buffers inside it, so the update raised "Inplace update to
-    inference tensor outside InferenceMode" (a probe). The output equals torch's, and the
-    state's buffers stay as they were (an eval step changes no state)."""
+def test_an_eval_step_whose_forward_updates_a_buffer_raises(stage, mode):
+    """An eval step whose forward updates a buffer in place (BatchNorm left in train mode
+    counts its batches and moves its running statistics): torch's module keeps the update,
+    and the eval step, which changes no state, dropped it silently (a probe; before that,
+    stage 3 under ``torch.inference_mode()`` raised torch's "Inplace update to inference
+    tensor"). It raises now, naming the buffers, under inference mode too, the state as it
+    was; after ``model.eval()`` the output equals torch's in eval mode."""
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).double()
     x = torch.randn(8, 4, dtype=torch.float64)
     with torch.no_grad():
-        want = copy.deepcopy(model)(x)
+        want = copy.deepcopy(model).eval()(x)
+    context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
 
     def body(comm, model):
         state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
         before = {name: b.clone() for name, b in state.buffers.items()}
-        with torch.inference_mode():
-            out = fzero.make_eval_step(model, lambda call, b: call(b))(state, x)
+        evaluate = fzero.make_eval_step(model, lambda call, b: call(b))
+        with context(), pytest.raises(ValueError, match=(
+                r"updated buffer\(s\) \['1.running_mean', '1.running_var', '1.num_batches")):
+            evaluate(state, x)
         assert all(torch.equal(state.buffers[n], b) for n, b in before.items())
+        model.eval()
+        with context():
+            out = evaluate(state, x)
         return out.clone()
 
     for out in fzero.SimWorld(2).run(body, model):
         torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+class _Counting(nn.Module):
+    """Counts its calls by reassigning a buffer (``self.calls = self.calls + 1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2).double()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_eval_step_whose_forward_reassigns_a_buffer_raises(stage):
+    """A buffer reassigned in forward is kept by a train step (torch's module keeps the new
+    tensor); an eval step dropped it silently. It raises, naming it."""
+
+    def body(comm):
+        model = _Counting()
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        with pytest.raises(ValueError, match=r"updated buffer\(s\) \['calls'\]"):
+            fzero.make_eval_step(model, lambda call, b: call(b))(state, torch.ones(3, 4,
+                                                                              dtype=torch.float64))
+        return int(state.buffers["calls"])
+
+    assert fzero.SimWorld(2).run(body) == [0, 0]
 
 
 def _raises_then_trains_exactly(build, stage: int, match: str, *, switch: str = "",
@@ -564,7 +601,8 @@ class HeldElsewhere(nn.Module):
     def forward(self, x):
         if self._w is None:
             self._w = self.b.weight
-        self.gain.mul_(0.9)
+        if self.training:
+            self.gain.mul_(0.9)
         hidden = torch.tanh(self.a(x) + self._frozen["emb"]) * self._bufs[0]
         hidden = hidden + self._scaled[0] * self._scaled[1]
         return self.h(torch.tanh(torch.nn.functional.linear(hidden, self._w, self.b.bias)))
@@ -601,14 +639,16 @@ def test_references_held_outside_the_registry_read_the_state(stage, tmp_path):
     module, a rollback, and every loss and parameter equals torch's."""
     path = str(tmp_path / "ckpt")
     model = HeldElsewhere()
-    want_eval = copy.deepcopy(model)(_batch(9)).detach()
+    want_eval = copy.deepcopy(model).eval()(_batch(9)).detach()
     # torch: steps on batches 0, 1 (a clone after the first), rollback, then 2, 3
     want_losses, want = _torch_momentum(copy.deepcopy(model), [0, 1, 2, 3], rollback_after=1)
 
     def body(comm, model):
         state = fzero.init(model, stage=stage, comm=comm,
                            optimizer=fzero.optim.sgd(lr=0.1, momentum=0.9))
+        model.eval()
         first = fzero.make_eval_step(model, lambda call, x: call(x))(state, _batch(9))
+        model.train()
         fzero.save(state, path)
         fresh = HeldElsewhere()
         with torch.no_grad():
@@ -635,3 +675,50 @@ def test_references_held_outside_the_registry_read_the_state(stage, tmp_path):
     assert losses == pytest.approx(want_losses, rel=1e-12)
     for name, value in got.items():
         torch.testing.assert_close(value, want[name], rtol=0, atol=1e-12)
+
+
+def _spectral() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    torch.nn.utils.parametrizations.spectral_norm(model[0])
+    return model
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_eval_step_refuses_spectral_norms_power_iteration_in_training_mode(stage):
+    """spectral_norm's power iteration updates its ``_u`` and ``_v`` buffers in every forward
+    in training mode; an eval step dropped the update, and the next train steps started from
+    other vectors than torch's (1.4e-3 off after 4 steps, a probe). It raises now; in eval mode
+    the steps and the evaluation equal torch's (SGD with momentum, float64)."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(6, 5, generator=g, dtype=torch.float64),
+             torch.randn(6, 3, generator=g, dtype=torch.float64)) for _ in range(3)]
+    model = _spectral()  # (built here: its _u draws from torch's global generator)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        opt.zero_grad()
+        (reference(x) - y).pow(2).mean().backward()
+        opt.step()
+    with torch.no_grad():
+        want = reference.eval()(data[0][0])
+
+    def loss(call, batch):
+        x, y = batch
+        return (call(x) - y).pow(2).mean()
+
+    def body(comm, model):
+        state = fzero.init(model, stage=stage, comm=comm,
+                           optimizer=fzero.optim.sgd(lr=0.1, momentum=0.9))
+        step = fzero.make_train_step(model, loss)
+        evaluate = fzero.make_eval_step(model, lambda call, x: call(x))
+        for x, y in data:
+            state, _ = step(state, (x[comm.rank * 3 : comm.rank * 3 + 3],
+                                    y[comm.rank * 3 : comm.rank * 3 + 3]))
+        with pytest.raises(ValueError, match=r"updated buffer\(s\) \['0.parametrizations"):
+            evaluate(state, data[0][0])
+        model.eval()
+        return evaluate(state, data[0][0]).clone()
+
+    for got in fzero.SimWorld(2).run(body, model):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
