@@ -56,6 +56,36 @@ _OVERWRITE_ON_CONVERSION = (
 )
 
 
+_ASSIGNED_PARAMETER = (
+    "forward assigned a tensor to parameter {name!r} (e.g. tying weights in forward: "
+    "`self.head.weight = self.emb.weight`): a step binds the state's tensors, not nn.Parameter "
+    "objects, in the parameters' place, so torch refuses the assignment (\"cannot assign ... "
+    "as parameter\"), and fzero plans its buckets and ties when the state is built. Tie the "
+    "weights in __init__, before fzero.init; nothing was updated"
+)
+
+
+def _parameter_assignment(error: TypeError, model: nn.Module) -> str | None:
+    """The dotted name forward assigned a non-Parameter to, when `error` is torch's refusal
+    ("cannot assign ... as parameter ..." from ``nn.Module.__setattr__``); None otherwise."""
+    if "as parameter" not in str(error):
+        return None
+    frame_of_setattr = None
+    trace = error.__traceback__
+    while trace is not None:
+        if trace.tb_frame.f_code is nn.Module.__setattr__.__code__:
+            frame_of_setattr = trace.tb_frame
+        trace = trace.tb_next
+    if frame_of_setattr is None:
+        return None
+    module, leaf = frame_of_setattr.f_locals.get("self"), frame_of_setattr.f_locals.get("name")
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+    path = paths.get(id(module))
+    if path is None or not isinstance(leaf, str):
+        return leaf if isinstance(leaf, str) else None
+    return f"{path}.{leaf}" if path else leaf
+
+
 class _Runner(nn.Module):
     """A module whose forward runs a thunk: functional_call(runner, ...) binds its child."""
 
@@ -125,6 +155,12 @@ class Binder:
                     and torch.__future__.get_overwrite_module_params_on_conversion()):
                 raise RuntimeError(_OVERWRITE_ON_CONVERSION) from error
             raise
+        except TypeError as error:
+            assigned = _parameter_assignment(error, self.model)
+            if assigned is None:
+                raise
+            # (from None: the original's frames hold the bound tensors, which stage 3 frees)
+            raise ValueError(_ASSIGNED_PARAMETER.format(name=assigned)) from None
         finally:
             held.release()
 

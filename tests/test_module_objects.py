@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fzero
@@ -722,3 +723,39 @@ def test_an_eval_step_refuses_spectral_norms_power_iteration_in_training_mode(st
 
     for got in fzero.SimWorld(2).run(body, model):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+class _TieInForward(nn.Module):
+    """Ties its head to its embedding in forward, as some code does on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(12, 6).double()
+        self.head = nn.Linear(6, 12, bias=False).double()
+
+    def forward(self, idx):
+        self.head.weight = self.emb.weight
+        return self.head(torch.tanh(self.emb(idx)))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_tying_weights_in_forward_raises_naming_the_parameter_and_the_fix(stage):
+    """A tie made in forward (``self.head.weight = self.emb.weight``) raised torch's bare
+    "cannot assign 'torch.DoubleTensor' as parameter 'weight'" (a probe): it names the
+    parameter and the fix now, nothing updated."""
+    idx = torch.randint(0, 12, (4, 5), generator=torch.Generator().manual_seed(0))
+
+    def loss(call, batch):
+        logits = call(batch)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 12), batch[:, 1:].reshape(-1))
+
+    def body(comm):
+        model = _TieInForward()
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        before = fzero.full_params(state)
+        with pytest.raises((ValueError, fzero.StepError), match=r"parameter 'head\.weight'"):
+            fzero.make_train_step(model, loss)(state, idx)
+        after = fzero.full_params(state)
+        assert all(torch.equal(before[n], after[n]) for n in before)
+
+    fzero.SimWorld(2).run(body)
