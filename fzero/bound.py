@@ -570,6 +570,8 @@ def check_shared_memory(model: nn.Module) -> None:
         labelled.setdefault(id(buffer), (f"buffer {name!r}", buffer))
     for prefix, module in model.named_modules():
         recomputed = {getattr(hook, "name", None) for hook in module._forward_pre_hooks.values()}
+        if isinstance(module, nn.RNNBase):  # its forward reads its weights into this list
+            recomputed.add("_flat_weights")  # again whenever one is another tensor
         for attr, key, item in held_tensors(module):
             if attr not in recomputed and id(item) not in labelled:
                 where = f"{prefix}.{attr}" if prefix else attr

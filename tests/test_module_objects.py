@@ -759,3 +759,53 @@ def test_tying_weights_in_forward_raises_naming_the_parameter_and_the_fix(stage)
         assert all(torch.equal(before[n], after[n]) for n in before)
 
     fzero.SimWorld(2).run(body)
+
+
+class _ParametrizedRNN(nn.Module):
+    """An LSTM or GRU whose recurrent weight is weight-normalized (a parametrization)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.r = {"lstm": nn.LSTM, "gru": nn.GRU}[kind](8, 6, batch_first=True).double()
+        torch.nn.utils.parametrizations.weight_norm(self.r, "weight_hh_l0")
+        self.h = nn.Linear(6, 3).double()
+
+    def forward(self, x):
+        return self.h(self.r(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_parametrized_recurrent_weight_trains_as_in_torch(kind, stage):
+    """The RNN's ``_flat_weights`` list keeps the weight it had before the parametrization,
+    which shares memory with the parametrization's ``original1``: `fzero.init` refused it as
+    an alias that would go stale (a probe), but torch's RNN forward reads its weights into that
+    list again whenever one is another tensor (always, for a parametrized one). It trains as
+    torch does (SGD with momentum, two ranks, float64)."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(6, 5, 8, generator=g, dtype=torch.float64),
+             torch.randn(6, 3, generator=g, dtype=torch.float64)) for _ in range(3)]
+    model = _ParametrizedRNN(kind)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        opt.zero_grad()
+        (reference(x) - y).pow(2).mean().backward()
+        opt.step()
+
+    def body(comm):
+        model = _ParametrizedRNN(kind)  # built here: a deep copy reads _flat_weights anew
+        model.load_state_dict(values)  # (in place; the ranks' threads share torch's generator)
+        state = fzero.init(model, stage=stage, comm=comm,
+                           optimizer=fzero.optim.sgd(lr=0.1, momentum=0.9))
+        step = fzero.make_train_step(model, lambda call, b: (call(b[0]) - b[1]).pow(2).mean())
+        for x, y in data:
+            rows = slice(comm.rank * 3, comm.rank * 3 + 3)
+            state, _ = step(state, (x[rows], y[rows]))
+        return fzero.full_params(state)
+
+    values = copy.deepcopy(model.state_dict())
+    for got in fzero.SimWorld(2).run(body):
+        for name, value in reference.named_parameters():
+            torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
