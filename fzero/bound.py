@@ -59,9 +59,9 @@ _OVERWRITE_ON_CONVERSION = (
 _ASSIGNED_PARAMETER = (
     "forward assigned a tensor to parameter {name!r} (e.g. tying weights in forward: "
     "`self.head.weight = self.emb.weight`): a step binds the state's tensors, not nn.Parameter "
-    "objects, in the parameters' place, so torch refuses the assignment (\"cannot assign ... "
-    "as parameter\"), and fzero plans its buckets and ties when the state is built. Tie the "
-    "weights in __init__, before fzero.init; nothing was updated"
+    "objects, in the parameters' place, so torch refuses the assignment ({error}), and fzero "
+    "plans its buckets and ties when the state is built. Tie the weights in __init__, before "
+    "fzero.init; nothing was updated"
 )
 
 
@@ -79,10 +79,9 @@ def _parameter_assignment(error: TypeError, model: nn.Module) -> str | None:
     if frame_of_setattr is None:
         return None
     module, leaf = frame_of_setattr.f_locals.get("self"), frame_of_setattr.f_locals.get("name")
-    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
-    path = paths.get(id(module))
-    if path is None or not isinstance(leaf, str):
-        return leaf if isinstance(leaf, str) else None
+    path = next((path for path, m in model.named_modules() if m is module), None)
+    if path is None or not isinstance(leaf, str):  # (a module outside the model: torch's own
+        return None  # error, as plain torch raises it)
     return f"{path}.{leaf}" if path else leaf
 
 
@@ -111,17 +110,21 @@ class Binder:
 
     def run(
         self, tensors: Mapping[str, Tensor], fn: Callable[[], T], *,
-        keep: Collection[str] = (),
+        keep: Collection[str] = (), reshaped: str = "raise",
     ) -> T:
         """``fn()`` with `tensors` bound (see the module note).
 
         A buffer named in `keep` that ``fn`` *reassigned* (``self.count = self.count + 1``
         instead of an in-place update) would be lost when the binding ends; its new value is
-        copied into the bound tensor instead, as plain torch would keep it.
+        copied into the bound tensor instead, as plain torch would keep it. One reassigned to
+        another shape or dtype (or to None) raises (`reshaped` ``"raise"``), or is left to the
+        binding's end (``"drop"``: an eval step, where such a buffer is a cache, e.g. a
+        positional table grown for a longer input, that the next forward grows again).
 
         Raises:
             ValueError: a buffer in `keep` reassigned to something of another shape or dtype
-                (or to None): the state's buffers keep the shapes they were built with.
+                (or to None), with `reshaped` ``"raise"``: the state's buffers keep the shapes
+                they were built with.
         """
         prefixed = {f"model.{name}": tensor
                     for name, tensor in self._one_name_per_attribute(tensors).items()}
@@ -134,6 +137,8 @@ class Binder:
                     continue
                 if not isinstance(now, Tensor) or now.shape != bound.shape or (
                         now.dtype != bound.dtype):
+                    if reshaped == "drop":
+                        continue
                     shown = (f"shape {tuple(now.shape)}, {now.dtype}" if isinstance(now, Tensor)
                              else type(now).__name__)
                     raise ValueError(
@@ -160,7 +165,7 @@ class Binder:
             if assigned is None:
                 raise
             # (from None: the original's frames hold the bound tensors, which stage 3 frees)
-            raise ValueError(_ASSIGNED_PARAMETER.format(name=assigned)) from None
+            raise ValueError(_ASSIGNED_PARAMETER.format(name=assigned, error=error)) from None
         finally:
             held.release()
 
@@ -216,8 +221,7 @@ class _HeldReferences:
         for name, bound in tensors.items():
             owner, _, leaf = name.rpartition(".")
             module = by_path.get(owner)
-            own = (_registered(module, leaf) if module is not None
-                   else _attribute(model, name))
+            own = getattr(module, leaf) if module is not None else _attribute(model, name)
             if isinstance(own, Tensor) and own is not bound:
                 bound_of[id(own)] = bound
                 self.own_of[id(bound)] = own
@@ -326,21 +330,6 @@ def same_values(tensor: Tensor, reference: Tensor) -> bool:
     if reference.is_floating_point() or reference.is_complex():
         same |= cast.isnan() & reference.isnan()
     return bool(same.all())
-
-
-def _registered(module: nn.Module, leaf: str) -> Any:
-    """``getattr(module, leaf)``, read from the registries first (a dict lookup, where
-    ``nn.Module.__getattr__`` costs a microsecond: a step does this for every name)."""
-    if leaf not in vars(module):  # (an instance attribute would shadow the registries)
-        found = module._parameters.get(leaf, _MISSING)
-        if found is _MISSING:
-            found = module._buffers.get(leaf, _MISSING)
-        if found is not _MISSING:
-            return found
-    return getattr(module, leaf)
-
-
-_MISSING = object()
 
 
 def _attribute(model: nn.Module, name: str) -> Any:

@@ -472,7 +472,8 @@ def make_eval_step(
             views = _views(leaves)
             with torch.no_grad():
                 out = binder.run(_bindings(state, leaves, buffers, named),
-                                 lambda: fn(model.__call__, batch), keep=buffers)
+                                 lambda: fn(model.__call__, batch),
+                                 keep=_kept_names(state), reshaped="drop")
             _check_buffers_unwritten(buffers, state)
             replaced = _replaced(state.layout, leaves, views)
             if replaced:  # torch's module would keep the new data; the state would not
@@ -493,7 +494,8 @@ def make_eval_step(
             with _sharded(state, model, prefetch, streams, train=False,
                           check_writes=not checked_writes) as session:
                 out = binder.run(_bindings(state, session.leaves, buffers, named),
-                                 lambda: session.evaluate(fn, model, batch), keep=buffers)
+                                 lambda: session.evaluate(fn, model, batch),
+                                 keep=_kept_names(state), reshaped="drop")
             checked_writes = True
             _check_buffers_unwritten(buffers, state)
             # The gathered copy a forward wrote in place is released with its bucket: torch's
@@ -509,20 +511,27 @@ def make_eval_step(
     return evaluate
 
 
+def _kept_names(state: ShardState) -> list[str]:
+    """Every name of the state's buffers, a second name of one tensor included: forward may
+    reassign a buffer through either (`Binder.run`'s `keep`)."""
+    return [*state.buffers, *(alias for alias, _ in state.config.buffer_aliases)]
+
+
 def _check_buffers_unwritten(copies: Mapping[str, Tensor], state: ShardState) -> None:
-    """Raise if an eval step's forward wrote its copies of the state's buffers: in place (a
-    version bump; a kernel's own write, such as BatchNorm's running statistics, bumps none, so
-    the bits are compared too) or by reassignment (`Binder.run`'s `keep` copies it in)."""
+    """Raise if an eval step's forward changed its copies of the state's buffers, in place or
+    by reassignment (`Binder.run`'s `keep` copies it in): their bits, not their versions (a
+    kernel's own write, such as BatchNorm's running statistics, bumps none; Hugging Face's
+    longrope rewrites ``inv_freq`` with the values it holds in every forward, losing nothing)."""
     written = [name for name, copy in copies.items()
-               if copy._version or not torch.equal(bits(copy), bits(state.buffers[name]))]
+               if not torch.equal(bits(copy), bits(state.buffers[name]))]
     if written:
         raise ValueError(
-            f"evaluate: forward updated buffer(s) {written[:5]} (BatchNorm's running "
-            f"statistics, spectral_norm's power iteration: a module in training mode). An eval "
-            f"step leaves the state as it is, so the update would be lost, where torch's "
-            f"module keeps it. Call model.eval() before evaluating (torch's evaluation: no such "
-            f"updates, and model.train() before training again); to update such statistics "
-            f"on purpose, run the forward in a train step")
+            f"evaluate: forward changed buffer(s) {written[:5]}. An eval step leaves the state "
+            f"as it is, so the change would be lost, where torch's module keeps it. A module "
+            f"left in training mode does this (BatchNorm's running statistics, spectral_norm's "
+            f"power iteration): call model.eval() before evaluating (and model.train() before "
+            f"training again); to keep such an update on purpose, run the forward in a train "
+            f"step")
 
 
 def full_params(state: ShardState, *, master: bool = False) -> dict[str, Tensor]:
@@ -782,7 +791,7 @@ def _run(
                 try:
                     loss = binder.run(bindings, lambda m=micro, f=factors[index], lt=last:
                                       session.micro_batch(loss_fn, model, m, f, lt),
-                                      keep=buffers)
+                                      keep=_kept_names(state))
                     if loss is not None:
                         losses.append(loss)
                 except PeerFailed:  # a round showed another rank failed: stop with everyone

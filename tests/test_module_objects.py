@@ -416,7 +416,7 @@ def test_an_eval_step_whose_forward_updates_a_buffer_raises(stage, mode):
         before = {name: b.clone() for name, b in state.buffers.items()}
         evaluate = fzero.make_eval_step(model, lambda call, b: call(b))
         with context(), pytest.raises(ValueError, match=(
-                r"updated buffer\(s\) \['1.running_mean', '1.running_var', '1.num_batches")):
+                r"changed buffer\(s\) \['1.running_mean', '1.running_var', '1.num_batches")):
             evaluate(state, x)
         assert all(torch.equal(state.buffers[n], b) for n, b in before.items())
         model.eval()
@@ -449,7 +449,7 @@ def test_an_eval_step_whose_forward_reassigns_a_buffer_raises(stage):
     def body(comm):
         model = _Counting()
         state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
-        with pytest.raises(ValueError, match=r"updated buffer\(s\) \['calls'\]"):
+        with pytest.raises(ValueError, match=r"changed buffer\(s\) \['calls'\]"):
             fzero.make_eval_step(model, lambda call, b: call(b))(state, torch.ones(3, 4,
                                                                               dtype=torch.float64))
         return int(state.buffers["calls"])
@@ -716,7 +716,7 @@ def test_an_eval_step_refuses_spectral_norms_power_iteration_in_training_mode(st
         for x, y in data:
             state, _ = step(state, (x[comm.rank * 3 : comm.rank * 3 + 3],
                                     y[comm.rank * 3 : comm.rank * 3 + 3]))
-        with pytest.raises(ValueError, match=r"updated buffer\(s\) \['0.parametrizations"):
+        with pytest.raises(ValueError, match=r"changed buffer\(s\) \['0.parametrizations"):
             evaluate(state, data[0][0])
         model.eval()
         return evaluate(state, data[0][0]).clone()
@@ -809,3 +809,170 @@ def test_a_parametrized_recurrent_weight_trains_as_in_torch(kind, stage):
     for got in fzero.SimWorld(2).run(body):
         for name, value in reference.named_parameters():
             torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
+
+
+class _Rewrites(nn.Module):
+    """Buffers an eval-mode forward writes without changing what a later forward sees: a table
+    rewritten in place with the values it holds (Hugging Face's longrope ``inv_freq``), and a
+    non-persistent cache regrown for a longer input (M2M100's positional table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, 4, dtype=torch.float64))
+        self.register_buffer("table", torch.arange(3, dtype=torch.float64), persistent=False)
+
+    def forward(self, x):
+        self.freq.copy_(torch.where(self.freq > 5.0, self.freq * 2, self.freq))  # no change
+        if x.shape[0] > self.table.numel():  # a cache of a function of the length
+            self.table = torch.arange(x.shape[0], dtype=torch.float64)
+        return self.lin(x * self.freq) + self.table[: x.shape[0], None]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_eval_step_accepts_rewrites_that_lose_nothing(stage):
+    """The version-counter check raised on longrope's same-value rewrite, and the eval step's
+    `keep` raised on the regrown cache (a review): both lose nothing, and plain torch's outputs
+    come out."""
+    model = _Rewrites().eval()
+    x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = copy.deepcopy(model)(x)
+
+    def body(comm, model):
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        return fzero.make_eval_step(model, lambda call, b: call(b))(state, x).clone()
+
+    for got in fzero.SimWorld(2).run(body, model):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+class _SharedCounter(nn.Module):
+    """One buffer registered in two submodules (``a.b`` and ``c.b``), reassigned through the
+    second name in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = torch.zeros(1, dtype=torch.float64)
+        self.a, self.c = nn.Module(), nn.Module()
+        self.a.register_buffer("b", shared)
+        self.c.register_buffer("b", shared)
+        self.lin = nn.Linear(1, 1).double()
+
+    def forward(self, x):
+        self.c.b = self.c.b + 1
+        return self.lin(x) * self.c.b
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_buffer_reassigned_through_its_second_name_is_kept(stage):
+    """`keep` listed the buffers' first names only: a reassignment through the second name was
+    dropped at the binding's end, silently, by train and eval steps (a review). A train step
+    keeps it now as torch's module does (the counter reaches 2 after two steps, the losses
+    equal torch's), and an eval step raises."""
+    x = torch.ones(2, 1, dtype=torch.float64)
+    model = _SharedCounter()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    want = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = reference(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+
+    def body(comm, model):
+        state = fzero.init(model, stage=stage, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        step = fzero.make_train_step(model, lambda call, b: call(b).pow(2).mean())
+        losses = []
+        for _ in range(2):
+            state, metrics = step(state, x)
+            losses.append(metrics["loss"])
+        with pytest.raises(ValueError, match=r"changed buffer\(s\) \['a.b'\]"):
+            fzero.make_eval_step(model, lambda call, b: call(b))(state, x)
+        return losses, float(state.buffers["a.b"])
+
+    for losses, count in fzero.SimWorld(1).run(body, model):
+        assert losses == pytest.approx(want, rel=1e-12) and count == 2.0
+
+
+class _Scripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.jit.script(nn.Linear(4, 4).double())
+        self.b = nn.Linear(4, 1).double()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_scripted_submodule_trains_as_in_torch():
+    """A ``torch.jit.script``-ed submodule's ``_parameters`` is a wrapper without ``.get``: a
+    faster lookup that assumed a dict broke every step on it (a review). Plain attribute
+    reads: its steps equal torch's."""
+    xs = [torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+          for i in range(3)]
+    model = _Scripted()
+    reference = _Scripted()
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    want = []
+    for x in xs:
+        opt.zero_grad()
+        loss = reference(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+
+    def body(comm):
+        state = fzero.init(model, stage=1, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        step = fzero.make_train_step(model, lambda call, b: call(b).pow(2).mean())
+        losses = []
+        for x in xs:
+            state, metrics = step(state, x)
+            losses.append(metrics["loss"])
+        return losses
+
+    assert fzero.SimWorld(1).run(body)[0] == pytest.approx(want, rel=1e-12)
+
+
+class _AssignsElsewhere(nn.Module):
+    """Assigns a plain tensor to a parameter slot in forward: of its head, which it also holds
+    under a second name (``blocks.0``), or of a helper module outside the model."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(12, 6).double()
+        self.head = nn.Linear(6, 12, bias=False).double()
+        self.blocks = nn.ModuleList([self.head])
+        self.where = where
+        self.__dict__["helper"] = nn.Linear(6, 12, bias=False).double()  # not a submodule
+
+    def forward(self, idx):
+        target = self.head if self.where == "head" else self.__dict__["helper"]
+        target.weight = self.emb.weight.detach() * 1.0
+        return self.head(self.emb(idx))
+
+
+@pytest.mark.parametrize("where", ["head", "helper"])
+def test_an_assigned_parameter_is_named_by_its_first_name_and_torchs_own_error_stays(where):
+    """The tie-in-forward message named the last of a module's names (``blocks.0.weight``, not
+    the state's ``head.weight``), and blamed fzero for torch's own refusal on a module outside
+    the model (a review). It names the first; torch's TypeError passes through unchanged."""
+    idx = torch.randint(0, 12, (2, 3), generator=torch.Generator().manual_seed(0))
+
+    def body(comm):
+        model = _AssignsElsewhere(where)
+        state = fzero.init(model, stage=1, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+        step = fzero.make_train_step(model, lambda call, b: call(b).pow(2).mean())
+        if where == "head":
+            with pytest.raises(ValueError, match=r"parameter 'head\.weight'"):
+                step(state, idx)
+        else:
+            with pytest.raises(TypeError, match=r"cannot assign .* as parameter 'weight'"):
+                step(state, idx)
+
+    fzero.SimWorld(1).run(body)
