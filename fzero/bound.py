@@ -211,7 +211,8 @@ class _HeldReferences:
     tensor during the call (from construction), and after it every reference to a bound
     tensor, ours or one forward stored, holds the module's own again (`release`): what torch
     would hold. Each step pays two walks over the modules' attributes and one over the
-    module tree (0.2 ms together at 96 modules and 125 names, from 3.5 ms by name lookups)."""
+    module tree (0.6-0.9 ms together at 96 modules and 125 names; a name lookup each
+    cost 3.5 ms)."""
 
     def __init__(self, model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
         self.model = model

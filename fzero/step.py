@@ -422,9 +422,9 @@ def make_eval_step(
 
     For stage 3 the buckets are gathered just in time as in training, and it is a collective:
     every rank must call it (with batches that may run different modules); below stage 3 it is
-    local. The state is not consumed and its buffers are not changed: a forward that updates
+    local. The state is not consumed and its buffers are not changed: a forward that changes
     a buffer (a module left in training mode) raises, where torch's module would keep the
-    update (call ``model.eval()`` first). It may run under
+    change (call ``model.eval()`` first). It may run under
     ``torch.inference_mode()``. A parameter `fn` returns (or a view of one) is, below stage 3,
     a view of the state (as torch returns the live weight: later steps change it); at stage 3,
     whose gathered parameters are released when the step returns, a copy.
@@ -465,8 +465,7 @@ def make_eval_step(
                   named: dict[str, Tensor]) -> Any:
         nonlocal checked_writes
         if state.stage < 3:
-            with torch.inference_mode(False):  # (inference tensors keep no versions)
-                buffers = {name: b.clone() for name, b in state.buffers.items()}
+            buffers = {name: b.clone() for name, b in state.buffers.items()}
             leaves = [entry_views(flat, bucket)
                       for flat, bucket in zip(state.params, state.layout.buckets, strict=True)]
             views = _views(leaves)
