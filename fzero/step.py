@@ -776,6 +776,7 @@ def _run(
     watch = GradientWatch(named)
     with session_of as session:
         bindings = _bindings(state, session.leaves, buffers, named)
+        kept = _kept_names(state)
         for index, micro in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             if session.aborted:  # every rank knows: nobody computes the rest
@@ -790,7 +791,7 @@ def _run(
                 try:
                     loss = binder.run(bindings, lambda m=micro, f=factors[index], lt=last:
                                       session.micro_batch(loss_fn, model, m, f, lt),
-                                      keep=_kept_names(state))
+                                      keep=kept)
                     if loss is not None:
                         losses.append(loss)
                 except PeerFailed:  # a round showed another rank failed: stop with everyone
