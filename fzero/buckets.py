@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from typing import NamedTuple
 
 import torch
@@ -251,6 +252,7 @@ class Reducer:
         streams: SideStreams | None = None,
         patience: float | None = None,
         gate: Callable[[], None] | None = None,
+        waiter: ThreadPoolExecutor | None = None,
     ) -> None:
         assert mode in ("all_reduce", "scatter_full", "scatter_leaves"), mode
         self.gate = gate
@@ -262,9 +264,11 @@ class Reducer:
         # this rank's stall (and a peer's, waiting for it), so they are not typical.
         self.stalled: set[int] = set()
         # With patience, a thread waits for each reduction on the host (a blocking wait, no
-        # polling), so the step can give up waiting without giving up the reduction.
-        self.waiter = ThreadPoolExecutor(1, thread_name_prefix="fzero-reduce-wait") if (
-            patience is not None) else None
+        # polling), so the step can give up waiting without giving up the reduction: `waiter`'s
+        # (one thread, kept by the caller from step to step), else one of its own.
+        self._own_waiter = waiter is None and patience is not None
+        self.waiter = (ThreadPoolExecutor(1, thread_name_prefix="fzero-reduce-wait")
+                       if self._own_waiter else waiter if patience is not None else None)
         self.comm = comm
         self.layout = layout
         self.leaves = leaves
@@ -446,9 +450,12 @@ class Reducer:
             self._settle(self.pending.pop(0))
 
     def close(self) -> None:
-        """Stop the waiting thread (after `finish`)."""
-        if self.waiter is not None:
+        """After `finish` (or a failure): wait until the waiting thread is done with this
+        round's reductions, and stop it if it is the Reducer's own."""
+        if self._own_waiter:
             self.waiter.shutdown(wait=True)
+        elif self.waiter is not None:  # (a failed round's waits must not outlast it)
+            futures_wait([f.host for f in self.pending if f.host is not None])
 
     def _settle(self, flight: _Flight) -> None:
         index = flight.index
