@@ -857,7 +857,8 @@ def test_checksum_mismatch(checkpoint, no_state_built, monkeypatch) -> None:
     messages = load_errors(checkpoint)
     assert "shard-00001-of-00002.safetensors fails its checksum: CRC-32 0x" in messages[1]
     assert "the manifest records 0x" in messages[1]
-    assert "shard-00001-of-00002.safetensors fails its checksum (found by rank 1" in messages[0]
+    assert "shard-00001-of-00002.safetensors fails its checksum: the checkpoint is damaged " \
+           "(found by rank 1" in messages[0]
     with pytest.raises(CheckpointError, match="00001-of-00002.safetensors fails its checksum"):
         fzero.checkpoint.reshard(checkpoint, checkpoint + "-r", world_size=1)
     assert not os.path.exists(checkpoint + "-r")
@@ -883,7 +884,9 @@ def test_swapped_shard_files_are_found_without_the_checksums(checkpoint, no_stat
     messages = load_errors(checkpoint, verify_checksums=False)
     assert f"{SHARD_0} holds rank 1's shards, but the manifest lists it as rank 0's: shard " \
            f"files were renamed or swapped" in messages[0]
-    assert f"{SHARD_0} has a malformed header (found by rank 0" in messages[1]
+    # The other rank says what happened too, not "malformed header" (a probe)
+    assert f"{SHARD_0} holds another rank's shards than the manifest lists: shard files were " \
+           f"renamed or swapped (found by rank 0" in messages[1]
     with pytest.raises(CheckpointError, match="holds rank 1's shards"):
         fzero.consolidate(checkpoint, verify_checksums=False)
 
@@ -908,6 +911,9 @@ def test_a_shard_file_of_another_save_is_found_without_the_checksums(tmp_path,
     messages = load_errors(paths[0], verify_checksums=False)
     assert f"{SHARD_1} was written by another save (id {ids[1]}) than the manifest's (id " \
            f"{ids[0]}): a file copied in from another checkpoint" in messages[1]
+    # Rank 0, whose log users read, said "has a malformed header ... damaged" (a probe)
+    assert f"{SHARD_1} was written by another save than the manifest's: a file copied in from " \
+           f"another checkpoint (found by rank 1" in messages[0]
     with pytest.raises(CheckpointError, match="was written by another save"):
         fzero.consolidate(paths[0], verify_checksums=False)
 

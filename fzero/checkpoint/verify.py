@@ -31,7 +31,18 @@ from fzero.comm import Comm
 
 __all__ = ["verify"]
 
-_OK, _HEADER, _CHECKSUM = 0, 1, 2
+_OK, _HEADER, _CHECKSUM, _FOREIGN, _SWAPPED, _CONTENTS = range(6)
+_VERDICTS = {  # what a rank that did not check the file says of each problem
+    _HEADER: "has a malformed header or cannot be read: the checkpoint is damaged",
+    _CHECKSUM: "fails its checksum: the checkpoint is damaged",
+    _FOREIGN: ("was written by another save than the manifest's: a file copied in from "
+               "another checkpoint"),
+    _SWAPPED: ("holds another rank's shards than the manifest lists: shard files were renamed "
+               "or swapped"),
+    _CONTENTS: "does not hold the tensors the manifest says: the checkpoint is not as saved",
+}
+"""The problems a rank finds in a file, by code: the ranks share only the codes (one all-reduce),
+so each code must say what happened as well as the finding rank's own message does."""
 
 
 def verify(
@@ -82,10 +93,9 @@ def _verify(path: str, manifest: Manifest, comm: Comm | None, checksums: bool) -
         if index in mine:
             raise CheckpointError(mine[index])
         name = os.path.join(path, manifest.files[index].name)
-        what = "fails its checksum" if code == _CHECKSUM else "has a malformed header"
         raise CheckpointError(
-            f"{name} {what} (found by rank {index % world}, which has the details): the "
-            f"checkpoint is damaged"
+            f"{name} {_VERDICTS[code]} (found by rank {index % world}, whose error has the "
+            f"details)"
         )
 
 
@@ -118,11 +128,11 @@ def _check_contents(
         return _HEADER, str(error)
     stranger = _stranger(metadata, manifest, entry)
     if stranger:
-        return _HEADER, f"{name} {stranger}: the checkpoint is not as it was saved"
+        return stranger[0], f"{name} {stranger[1]}: the checkpoint is not as it was saved"
     expected = record.file_specs(manifest.layout, manifest.state, manifest.buffers, entry.rank)
     problems = _differences(found, [(s.name, s.dtype, s.shape) for s in expected], entry.rng)
     if problems:
-        return _HEADER, f"{name} does not hold what the manifest says: {problems}"
+        return _CONTENTS, f"{name} does not hold what the manifest says: {problems}"
     if checksums:
         actual = crc32(name)
         if actual != entry.crc32:
@@ -131,18 +141,18 @@ def _check_contents(
     return None
 
 
-def _stranger(metadata: object, manifest: Manifest, entry: FileEntry) -> str:
-    """What the file's own metadata says against the manifest ('' where nothing: also for
-    files written before fzero recorded its save id and rank there)."""
+def _stranger(metadata: object, manifest: Manifest, entry: FileEntry) -> tuple[int, str] | None:
+    """``(code, what)`` the file's own metadata says against the manifest; None where nothing
+    (also for files written before fzero recorded its save id and rank there)."""
     meta = metadata if isinstance(metadata, dict) else {}
     saved, rank = meta.get(SAVE_ID_KEY), meta.get(RANK_KEY)
     if manifest.save_id is not None and saved is not None and saved != manifest.save_id:
-        return (f"was written by another save (id {saved}) than the manifest's (id "
-                f"{manifest.save_id}): a file copied in from another checkpoint")
+        return _FOREIGN, (f"was written by another save (id {saved}) than the manifest's (id "
+                          f"{manifest.save_id}): a file copied in from another checkpoint")
     if rank is not None and rank != str(entry.rank):
-        return (f"holds rank {rank}'s shards, but the manifest lists it as rank "
-                f"{entry.rank}'s: shard files were renamed or swapped")
-    return ""
+        return _SWAPPED, (f"holds rank {rank}'s shards, but the manifest lists it as rank "
+                          f"{entry.rank}'s: shard files were renamed or swapped")
+    return None
 
 
 def _differences(
