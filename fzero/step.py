@@ -158,9 +158,11 @@ class MicroBatches(list):
     ``sum(w_i * loss_i) / sum(w_i)``. Without `weights` they weigh the same, which equals the
     loss of the whole batch only for micro-batches of equal size, so the step raises when
     their sizes along dim 0 differ (the size of a micro-batch is the most common dim 0 among
-    its tensors). Give `weights` for unequal ones: their rows when ``loss_fn`` means over rows,
-    their target token counts when it means over tokens. Without this wrapper a batch is never
-    taken apart by its container's length: it is split along dim 0 into `accum_steps`.
+    its tensors, the higher-dimensional one's between equally common sizes), or cannot be told
+    and their tensors' sizes differ. Give `weights` for unequal ones: their rows when
+    ``loss_fn`` means over rows, their target token counts when it means over tokens. Without
+    this wrapper a batch is never taken apart by its container's length: it is split along
+    dim 0 into `accum_steps`.
 
     Args:
         micro_batches: the micro-batches, each what ``loss_fn`` takes as its batch.
@@ -693,7 +695,17 @@ def micro_weights(batch: Any, micro_batches: Sequence[Any]) -> tuple[float, ...]
     weights = getattr(batch, "weights", None)
     if weights is None:
         sizes = [_rows([micro]) for micro in micro_batches]
-        if len(set(sizes)) > 1:
+        if None in sizes and len({tuple(_dim0_sizes(m)) for m in micro_batches}) > 1:
+            unclear = sizes.index(None)
+            raise ValueError(
+                f"MicroBatches without weights, and the size of micro-batch {unclear + 1} "
+                f"cannot be told: its tensors' sizes along dim 0 are "
+                f"{_dim0_sizes(micro_batches[unclear])[:8]}, equally common (rows, or a "
+                f"tensor per position?), and the micro-batches' tensors differ in size. Equal "
+                f"weights would be the whole batch's mean only for micro-batches of equal "
+                f"size: give each its weight, fzero.MicroBatches(parts, weights=[...]) (its "
+                f"rows when loss_fn means over rows, its target tokens when over tokens)")
+        if None not in sizes and len(set(sizes)) > 1:
             raise ValueError(
                 f"MicroBatches of different sizes along dim 0 ({sizes[:8]}): the step would "
                 f"average their losses with equal weights, which is not the mean over the "
@@ -734,7 +746,7 @@ class _Run:
     weights: tuple[float, ...] | None  # the losses' shares (None: equal)
     grads: list[Tensor]  # per trainable bucket, reduced (stage 0: full; else this rank's shard)
     used: list[bool]  # per trainable entry, whether this rank's backward reached it
-    rows: int
+    rows: int  # of this rank's micro-batches; -1 when they cannot tell (`_rows`)
     failure: BaseException | None  # this rank's own exception, if its computation raised
     aborted: bool  # some rank failed (known to every rank at stage 3)
     order: BucketOrder | None  # stage 3: the agreed sequences
@@ -808,6 +820,7 @@ def _run(
                     session.recover(last, peer=False)
         grads = session.finish()
         replaced, toggled = leaves.replaced(), leaves.toggled()
+        rows = _rows(micro_batches)
         if failure is None and not session.aborted:
             failure = _lost_to_the_state(state, session.written, replaced, toggled, watch)
         run = _Run(
@@ -816,7 +829,7 @@ def _run(
             grads=grads,
             used=[flag for flags, bucket in zip(session.completion.used, state.layout.buckets,
                                                 strict=True) if bucket.trainable for flag in flags],
-            rows=_rows(micro_batches),
+            rows=-1 if rows is None else rows,
             failure=failure,
             aborted=session.aborted,
             order=session.order,
@@ -1548,12 +1561,14 @@ def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
             step=step, ranks=stats.mismatched,
         )
     world = state.config.comm.world_size
-    if len(set(stats.rows)) > 1:
+    known = [n for n in stats.rows if n >= 0]  # (-1: a rank that cannot tell, see `_rows`)
+    if len(set(known)) > 1:
+        shown = [n if n >= 0 else "?" for n in stats.rows]
         raise StepError(
             f"train step {step}: ranks were given batches of different sizes (rows per rank "
-            f"{list(stats.rows)}): give every rank the same number of rows, so that averaging "
+            f"{shown}): give every rank the same number of rows, so that averaging "
             f"gradients over the {world} ranks equals the global batch's mean",
-            step=step, ranks=[r for r, n in enumerate(stats.rows) if n != stats.rows[0]],
+            step=step, ranks=[r for r, n in enumerate(stats.rows) if n >= 0 and n != known[0]],
         )
 
 
@@ -2001,16 +2016,42 @@ def _check_unmodified(
         )
 
 
-def _rows(micro_batches: Sequence[Any]) -> int:
-    """The rows of a rank's micro-batches, which the ranks compare (`_raise_if_failed`): of
-    each, the most common size along dim 0 among its tensors (the largest of equally common
-    ones), so that a tensor that is not one row per sample (position ids of shape (1, T)) does
-    not decide; 1 for a micro-batch without a tensor of a dimension."""
+def _rows(micro_batches: Sequence[Any]) -> int | None:
+    """The rows of a rank's micro-batches, which the ranks compare (`_raise_if_failed`); None
+    when a micro-batch cannot tell (`_micro_rows`)."""
     rows = 0
     for micro in micro_batches:
-        sizes = [t.shape[0] for t in _batch_tensors(micro) if t.dim()]
-        rows += max(set(sizes), key=lambda n: (sizes.count(n), n)) if sizes else 1
+        size = _micro_rows(micro)
+        if size is None:
+            return None
+        rows += size
     return rows
+
+
+def _micro_rows(micro: Any) -> int | None:
+    """A micro-batch's rows: the size along dim 0 that most of its tensors share; between
+    sizes equally common, the one of a tensor of more dimensions (``(ids (B, T), positions
+    (T,))``: B), then one other than 1 (``(ids (B, T), position_ids (1, T))``: B, a broadcast
+    dim); None where that still leaves two (``(labels (B,), weights (C,))``); 1 without a tensor
+    of a dimension. (The largest of equally common sizes counted T rows for the first: ranks
+    padded to different lengths were refused, and ranks of different rows passed, a probe.)"""
+    found: dict[int, tuple[int, int]] = {}  # size -> (tensors of that size, most dimensions)
+    for tensor in _batch_tensors(micro):
+        if tensor.dim():
+            count, dims = found.get(tensor.shape[0], (0, 0))
+            found[tensor.shape[0]] = (count + 1, max(dims, tensor.dim()))
+    if not found:
+        return 1
+    ranked = sorted((((count, dims, size != 1), size) for size, (count, dims) in found.items()),
+                    reverse=True)
+    if len(ranked) > 1 and ranked[0][0] == ranked[1][0]:
+        return None
+    return ranked[0][1]
+
+
+def _dim0_sizes(micro: Any) -> list[int]:
+    """The sizes along dim 0 of a micro-batch's tensors of a dimension, in pytree order."""
+    return [t.shape[0] for t in _batch_tensors(micro) if t.dim()]
 
 
 def _batch_tensors(batch: Any) -> list[Tensor]:

@@ -712,6 +712,112 @@ def test_uneven_batches_in_a_mapping_raise(wrap: str) -> None:
         assert "rows per rank [4, 2]" in message
 
 
+class _TokensAndPositions(nn.Module):
+    """Token ids (B, T) and positions (T,): one tensor per row, one per position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(10, 4, dtype=torch.float64)
+        self.positions = nn.Embedding(16, 4, dtype=torch.float64)
+        self.out = nn.Linear(4, 1, dtype=torch.float64)
+
+    def forward(self, ids: Tensor, positions: Tensor) -> Tensor:
+        return self.out(self.tokens(ids) + self.positions(positions)).mean((1, 2))
+
+
+def _per_row_loss(call: Callable[..., Tensor], batch: Any) -> Tensor:
+    ids, positions = batch
+    return (call(ids, positions) - (ids.sum(1) % 2).double()) ** 2
+
+
+def _tokens_and_positions(rows: int, length: int, seed: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 10, (rows, length), generator=g), torch.arange(length)
+
+
+def _tokens_and_positions_body(comm: Any, model: nn.Module, shapes: list[tuple[int, int]],
+                               stage: int) -> dict[str, Tensor]:
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.5), comm=comm)
+    step = fzero.make_train_step(model, lambda call, b: _per_row_loss(call, b).mean())
+    state, _ = step(state, _tokens_and_positions(*shapes[comm.rank], seed=comm.rank))
+    return fzero.full_params(state)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ranks_padded_to_different_lengths_train_like_torch(stage: int) -> None:
+    """Two rows on each rank, padded to lengths 8 and 6, beside positions of shape (T,): a
+    batch's rows were its most common dim 0, ties going to the larger, so they counted 8 and 6
+    and the step refused the ranks as of different sizes (a probe). The rows are the dim 0 of
+    the tensor of more dimensions now: equal to torch on the whole batch (float64)."""
+    model, shapes = _TokensAndPositions(), [(2, 8), (2, 6)]
+    got = fzero.SimWorld(2).run(_tokens_and_positions_body, model, shapes, stage)[0]
+    reference = copy.deepcopy(model)
+    batches = [_tokens_and_positions(*shape, seed=rank) for rank, shape in enumerate(shapes)]
+    sum(_per_row_loss(reference, b).mean() for b in batches).div(2).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
+
+
+def test_ranks_of_different_rows_beside_a_position_tensor_raise() -> None:
+    """Ranks of 2 rows (length 4) and 4 rows (length 2) both counted 4 rows (the larger of
+    two equally common sizes) and trained the mean of the ranks' means, 0.15 away from
+    torch's step on the whole batch, silently (a probe)."""
+    shapes = [(2, 4), (4, 2)]
+    for message in every_rank_raises(2, _tokens_and_positions_body, _TokensAndPositions(),
+                                     shapes, 1):
+        assert "rows per rank [2, 4]" in message
+
+
+def test_a_micro_batchs_rows() -> None:
+    """`_micro_rows`: the most common dim 0; between equally common ones, a tensor of more
+    dimensions decides, then a size other than 1 (a broadcast dim); None where neither does.
+    `micro_weights` raises for MicroBatches whose sizes differ or cannot be told apart, naming
+    the rows when it knows them (their sizes along dim 0 were offered as weights: the
+    positions' length, a probe), and takes equal weights where every micro-batch's tensors
+    have the sizes of the others'."""
+    rows = fzero.step._micro_rows
+    ids, pos = torch.zeros(2, 8, dtype=torch.long), torch.arange(8)
+    assert rows((ids, pos)) == 2  # (B, T) and (T,)
+    assert rows((ids[:1], pos)) == 1  # (1, T) and (T,)
+    assert rows((ids, pos[None])) == 2  # (B, T) and (1, T)
+    assert rows({"ids": ids, "mask": ids, "pos": torch.zeros(8, 3)}) == 2
+    assert rows((torch.zeros(3), torch.zeros(5))) is None  # (B,) and (C,)
+    assert rows((torch.zeros(3, 2), torch.zeros(5, 2))) is None
+    assert rows(("text", 1.0)) == 1
+    assert fzero.step._rows([(ids, pos), (torch.zeros(3), torch.zeros(5))]) is None
+    unequal = fzero.MicroBatches([(ids, pos), (torch.zeros(4, 2, dtype=torch.long),
+                                               torch.arange(2))])
+    with pytest.raises(ValueError, match=r"sizes along dim 0 \(\[2, 4\]\).*weights=\[2, 4\]"):
+        fzero.step.micro_weights(unequal, list(unequal))
+    unclear = fzero.MicroBatches([(torch.zeros(3), torch.zeros(5)),
+                                  (torch.zeros(3), torch.zeros(4))])
+    with pytest.raises(ValueError, match=r"size of micro-batch 1 cannot be told: .*\[3, 5\]"):
+        fzero.step.micro_weights(unclear, list(unclear))
+    alike = fzero.MicroBatches([(torch.zeros(3), torch.zeros(5))] * 2)
+    assert fzero.step.micro_weights(alike, list(alike)) is None
+
+
+def _unclear_rows_body(comm: Any, model: nn.Module, lengths: list[int]) -> dict[str, Tensor]:
+    state = fzero.init(model, stage=1, optimizer=fzero.optim.sgd(lr=0.5), comm=comm)
+    step = fzero.make_train_step(
+        model, lambda call, b: (call(b[0][:, None]).squeeze(1) * b[1].sum()).pow(2).mean())
+    g = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(2, generator=g, dtype=torch.float64)
+    state, _ = step(state, (x, torch.ones(lengths[comm.rank], dtype=torch.float64)))
+    return fzero.full_params(state)
+
+
+def test_a_rank_whose_rows_cannot_be_told_is_not_compared() -> None:
+    """Rank 0's batch of (2,) and (3,) tensors does not say its rows, rank 1's (2,) and (2,)
+    does: the ranks' row check leaves out a rank that cannot tell (the step trains) and
+    compares the others."""
+    model = nn.Linear(1, 1, dtype=torch.float64)
+    outs = fzero.SimWorld(2).run(_unclear_rows_body, model, [3, 2])
+    assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])
+    assert not torch.equal(outs[0]["weight"], model.weight)  # it trained
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_batch_that_does_not_split_into_accum_steps(stage: int) -> None:
     batch = MLP.make_batch(0, 10)  # 5 rows per rank, accum_steps=2
