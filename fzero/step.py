@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import math
 import numbers
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -1000,12 +1001,15 @@ class _ShardedLeaves:
         self.completion = Completion(state.layout, self.buffers.leaves, lambda index: None)
         self.completion.stop()  # until a step `restart`s it
         self._waiter: ThreadPoolExecutor | None = None
+        self._waiter_pid = 0
 
     def waiter(self) -> ThreadPoolExecutor:
         """The thread the steps' reducers wait for reductions on (`fzero.buckets.Reducer`),
-        started once (one started and joined each step cost 0.5 ms)."""
-        if self._waiter is None:
+        started once per process (one started and joined each step cost 0.5 ms; a forked
+        child inherits the executor but not its thread, and would wait for ever)."""
+        if self._waiter is None or self._waiter_pid != os.getpid():
             self._waiter = ThreadPoolExecutor(1, thread_name_prefix="fzero-reduce-wait")
+            self._waiter_pid = os.getpid()
         return self._waiter
 
     def fits(self, state: ShardState) -> bool:

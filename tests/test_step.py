@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import gc
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -1441,3 +1442,26 @@ def test_stage_3_steps_wait_for_reductions_on_one_thread() -> None:
     while ours & _waiter_threads() and time.monotonic() < deadline:
         time.sleep(0.01)  # (it exits once it sees its executor collected)
     assert not ours & _waiter_threads()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_a_waiting_thread_of_its_own() -> None:
+    """The kept waiting thread does not cross a fork (the child inherits the executor, not its
+    thread): a child that steps on would queue its waits for ever. `waiter()` starts one of the
+    child's own."""
+    leaves = object.__new__(fzero.step._ShardedLeaves)  # (only its waiter: no state needed)
+    leaves._waiter, leaves._waiter_pid = None, 0
+    assert leaves.waiter().submit(lambda: 7).result(timeout=10) == 7
+    parents = leaves.waiter()
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if a wait runs on a new executor
+        ok = False
+        try:
+            ok = leaves.waiter() is not parents and (
+                leaves.waiter().submit(lambda: 7).result(timeout=10) == 7)
+        finally:
+            os._exit(0 if ok else 1)  # (never returns into pytest in the child)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert leaves.waiter() is parents
+    parents.shutdown(wait=True)
