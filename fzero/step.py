@@ -31,6 +31,7 @@ The step consumes its input state (`fzero.state.Lease`): use the returned one.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -747,7 +748,7 @@ class _Run:
     weights: tuple[float, ...] | None  # the losses' shares (None: equal)
     grads: list[Tensor]  # per trainable bucket, reduced (stage 0: full; else this rank's shard)
     used: list[bool]  # per trainable entry, whether this rank's backward reached it
-    rows: int  # of this rank's micro-batches; -1 when they cannot tell (`_rows`)
+    rows: int  # of this rank's micro-batches, or < 0 where they cannot tell (`_rows_token`)
     failure: BaseException | None  # this rank's own exception, if its computation raised
     aborted: bool  # some rank failed (known to every rank at stage 3)
     order: BucketOrder | None  # stage 3: the agreed sequences
@@ -821,7 +822,7 @@ def _run(
                     session.recover(last, peer=False)
         grads = session.finish()
         replaced, toggled = leaves.replaced(), leaves.toggled()
-        rows = _rows(micro_batches)
+        rows = _rows_token(micro_batches)
         if failure is None and not session.aborted:
             failure = _lost_to_the_state(state, session.written, replaced, toggled, watch)
         run = _Run(
@@ -830,7 +831,7 @@ def _run(
             grads=grads,
             used=[flag for flags, bucket in zip(session.completion.used, state.layout.buckets,
                                                 strict=True) if bucket.trainable for flag in flags],
-            rows=-1 if rows is None else rows,
+            rows=rows,
             failure=failure,
             aborted=session.aborted,
             order=session.order,
@@ -1565,14 +1566,24 @@ def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
             step=step, ranks=stats.mismatched,
         )
     world = state.config.comm.world_size
-    known = [n for n in stats.rows if n >= 0]  # (-1: a rank that cannot tell, see `_rows`)
-    if len(set(known)) > 1:
-        shown = [n if n >= 0 else "?" for n in stats.rows]
+    if len(set(stats.rows)) > 1 and all(n >= 0 for n in stats.rows):
         raise StepError(
             f"train step {step}: ranks were given batches of different sizes (rows per rank "
-            f"{shown}): give every rank the same number of rows, so that averaging "
+            f"{list(stats.rows)}): give every rank the same number of rows, so that averaging "
             f"gradients over the {world} ranks equals the global batch's mean",
-            step=step, ranks=[r for r, n in enumerate(stats.rows) if n >= 0 and n != known[0]],
+            step=step, ranks=[r for r, n in enumerate(stats.rows) if n != stats.rows[0]],
+        )
+    if len(set(stats.rows)) > 1:
+        unclear = [r for r, n in enumerate(stats.rows) if n < 0]
+        raise StepError(
+            f"train step {step}: the batches of rank(s) {unclear} do not tell their rows (two "
+            f"sizes along dim 0 equally common among a micro-batch's tensors, such as (ids "
+            f"(B, T), positions (T,))), and the ranks' tensors differ in size along dim 0: "
+            f"nothing shows that every rank has as many rows, which averaging gradients over "
+            f"the {world} ranks needs to equal the global batch's mean. Give the tensors that "
+            f"are not one per row a leading dim of 1 (positions[None]: 1 on every rank, whatever "
+            f"their length), or keep them out of the batch (close over them in loss_fn)",
+            step=step, ranks=unclear,
         )
 
 
@@ -2021,8 +2032,8 @@ def _check_unmodified(
 
 
 def _rows(micro_batches: Sequence[Any]) -> int | None:
-    """The rows of a rank's micro-batches, which the ranks compare (`_raise_if_failed`); None
-    when a micro-batch cannot tell (`_micro_rows`)."""
+    """The rows of a rank's micro-batches; None when a micro-batch cannot tell
+    (`_micro_rows`)."""
     rows = 0
     for micro in micro_batches:
         size = _micro_rows(micro)
@@ -2033,24 +2044,31 @@ def _rows(micro_batches: Sequence[Any]) -> int | None:
 
 
 def _micro_rows(micro: Any) -> int | None:
-    """A micro-batch's rows: the size along dim 0 that most of its tensors share; between
-    sizes equally common, the one of a tensor of more dimensions (``(ids (B, T), positions
-    (T,))``: B), then one other than 1 (``(ids (B, T), position_ids (1, T))``: B, a broadcast
-    dim); None where that still leaves two (``(labels (B,), weights (C,))``); 1 without a tensor
-    of a dimension. (The largest of equally common sizes counted T rows for the first: ranks
-    padded to different lengths were refused, and ranks of different rows passed, a probe.)"""
-    found: dict[int, tuple[int, int]] = {}  # size -> (tensors of that size, most dimensions)
-    for tensor in _batch_tensors(micro):
-        if tensor.dim():
-            count, dims = found.get(tensor.shape[0], (0, 0))
-            found[tensor.shape[0]] = (count + 1, max(dims, tensor.dim()))
-    if not found:
+    """A micro-batch's rows: the size along dim 0 that most of its tensors share, so that a
+    tensor that is not one row per sample (position ids of shape (1, T) beside two (B, T)
+    tensors) does not decide; 1 without a tensor of a dimension; None where two sizes are
+    equally common: ``(ids (B, T), positions (T,))`` may be B rows or T, ``(ids (B, T),
+    mask (1, 1, T, T))`` B or 1, ``(ids (1, T), positions (T,))`` 1 or T. (Taking the larger
+    counted T for the first: ranks padded to different lengths were refused, ranks of
+    different rows passed; taking the higher-dimensional tensor's counted 1 for the second:
+    both probes.)"""
+    sizes = _dim0_sizes(micro)
+    if not sizes:
         return 1
-    ranked = sorted((((count, dims, size != 1), size) for size, (count, dims) in found.items()),
-                    reverse=True)
-    if len(ranked) > 1 and ranked[0][0] == ranked[1][0]:
-        return None
-    return ranked[0][1]
+    (size, count), *runner_up = collections.Counter(sizes).most_common(2)
+    return None if runner_up and runner_up[0][1] == count else size
+
+
+def _rows_token(micro_batches: Sequence[Any]) -> int:
+    """What a rank tells the others of its rows (`_raise_if_failed` compares them): its rows;
+    where they cannot be told (`_rows`), -1 minus a 50-bit digest of its micro-batches'
+    tensors' sizes along dim 0 (exact in the float64 the statistics travel in), equal for
+    ranks whose tensors have equal sizes there, whatever their rows are."""
+    rows = _rows(micro_batches)
+    if rows is not None:
+        return rows
+    sizes = repr([_dim0_sizes(micro) for micro in micro_batches]).encode()
+    return -1 - (int.from_bytes(hashlib.sha256(sizes).digest()[:8], "big") >> 14)
 
 
 def _dim0_sizes(micro: Any) -> list[int]:

@@ -158,9 +158,12 @@ def test_micro_weights_are_shares_of_the_loss() -> None:
     assert fzero.step.micro_weights(equal, list(equal)) is None
     weighted = fzero.MicroBatches([x[:4], x[4:]], weights=(3, 1))
     assert fzero.step.micro_weights(weighted, list(weighted)) == (0.75, 0.25)
-    unequal = fzero.MicroBatches([(x[:4], pos), (x[4:], pos)])
+    unequal = fzero.MicroBatches([(x[:4], x[:4], pos), (x[4:], x[4:], pos)])
     with pytest.raises(ValueError, match=r"different sizes along dim 0 \(\[4, 2\]\)"):
         fzero.step.micro_weights(unequal, list(unequal))
+    unclear = fzero.MicroBatches([(x[:4], pos), (x[4:], pos)])  # 4 or 1? 2 or 1?
+    with pytest.raises(ValueError, match=r"size of micro-batch 1 cannot be told"):
+        fzero.step.micro_weights(unclear, list(unclear))
     for bad in ([1, float("nan")], [1, -1], [1, "2"], [1, torch.ones(2)], [1, 2, 3]):
         given = fzero.MicroBatches([x[:4], x[4:]], weights=bad)
         with pytest.raises(ValueError, match="one positive finite number per micro-batch"):

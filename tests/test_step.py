@@ -737,21 +737,27 @@ def _tokens_and_positions(rows: int, length: int, seed: int) -> tuple[Tensor, Te
 
 
 def _tokens_and_positions_body(comm: Any, model: nn.Module, shapes: list[tuple[int, int]],
-                               stage: int) -> dict[str, Tensor]:
+                               stage: int, leading: bool = False) -> dict[str, Tensor]:
     state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.5), comm=comm)
     step = fzero.make_train_step(model, lambda call, b: _per_row_loss(call, b).mean())
-    state, _ = step(state, _tokens_and_positions(*shapes[comm.rank], seed=comm.rank))
+    ids, positions = _tokens_and_positions(*shapes[comm.rank], seed=comm.rank)
+    state, _ = step(state, (ids, positions[None] if leading else positions))
     return fzero.full_params(state)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_ranks_padded_to_different_lengths_train_like_torch(stage: int) -> None:
-    """Two rows on each rank, padded to lengths 8 and 6, beside positions of shape (T,): a
-    batch's rows were its most common dim 0, ties going to the larger, so they counted 8 and 6
-    and the step refused the ranks as of different sizes (a probe). The rows are the dim 0 of
-    the tensor of more dimensions now: equal to torch on the whole batch (float64)."""
+def test_ranks_padded_to_different_lengths(stage: int) -> None:
+    """Two rows on each rank, padded to lengths 8 and 6, beside positions of shape (T,): such a
+    batch does not say whether it has 2 rows or T (the larger of two equally common sizes along
+    dim 0 counted 8 and 6, and the step refused the ranks as of different sizes, a probe). The
+    step still refuses, saying why and what to do; with positions of shape (1, T) it trains,
+    equal to torch on the whole batch (float64)."""
     model, shapes = _TokensAndPositions(), [(2, 8), (2, 6)]
-    got = fzero.SimWorld(2).run(_tokens_and_positions_body, model, shapes, stage)[0]
+    for message in every_rank_raises(2, _tokens_and_positions_body, model, shapes, stage):
+        assert "the batches of rank(s) [0, 1] do not tell their rows" in message
+        assert "positions[None]" in message
+    got = fzero.SimWorld(2).run(_tokens_and_positions_body, model, shapes, stage,
+                                leading=True)[0]
     reference = copy.deepcopy(model)
     batches = [_tokens_and_positions(*shape, seed=rank) for rank, shape in enumerate(shapes)]
     sum(_per_row_loss(reference, b).mean() for b in batches).div(2).backward()
@@ -760,43 +766,47 @@ def test_ranks_padded_to_different_lengths_train_like_torch(stage: int) -> None:
         torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
 
 
-def test_ranks_of_different_rows_beside_a_position_tensor_raise() -> None:
+@pytest.mark.parametrize("leading", [False, True])
+def test_ranks_of_different_rows_beside_a_position_tensor_raise(leading: bool) -> None:
     """Ranks of 2 rows (length 4) and 4 rows (length 2) both counted 4 rows (the larger of
     two equally common sizes) and trained the mean of the ranks' means, 0.15 away from
     torch's step on the whole batch, silently (a probe)."""
     shapes = [(2, 4), (4, 2)]
     for message in every_rank_raises(2, _tokens_and_positions_body, _TokensAndPositions(),
-                                     shapes, 1):
-        assert "rows per rank [2, 4]" in message
+                                     shapes, 1, leading):
+        assert "do not tell their rows" in message
 
 
 def test_a_micro_batchs_rows() -> None:
-    """`_micro_rows`: the most common dim 0; between equally common ones, a tensor of more
-    dimensions decides, then a size other than 1 (a broadcast dim); None where neither does.
-    `micro_weights` raises for MicroBatches whose sizes differ or cannot be told apart, naming
-    the rows when it knows them (their sizes along dim 0 were offered as weights: the
-    positions' length, a probe), and takes equal weights where every micro-batch's tensors
-    have the sizes of the others'."""
+    """`_micro_rows`: the most common dim 0, None where two sizes are equally common (a larger
+    or higher-dimensional one's counted T rows for (ids (B, T), positions (T,)), 1 for (ids
+    (B, T), mask (1, 1, T, T)): probes). `micro_weights` raises for MicroBatches whose sizes
+    differ, or cannot be told and their tensors' sizes differ (MicroBatches of 4 and 2 rows
+    beside one mask took equal weights, silently, a probe), and takes equal weights where
+    every micro-batch's tensors have the sizes of the others'."""
     rows = fzero.step._micro_rows
     ids, pos = torch.zeros(2, 8, dtype=torch.long), torch.arange(8)
-    assert rows((ids, pos)) == 2  # (B, T) and (T,)
-    assert rows((ids[:1], pos)) == 1  # (1, T) and (T,)
-    assert rows((ids, pos[None])) == 2  # (B, T) and (1, T)
+    mask = torch.zeros(1, 1, 8, 8)
     assert rows({"ids": ids, "mask": ids, "pos": torch.zeros(8, 3)}) == 2
-    assert rows((torch.zeros(3), torch.zeros(5))) is None  # (B,) and (C,)
-    assert rows((torch.zeros(3, 2), torch.zeros(5, 2))) is None
+    assert rows({"ids": ids, "mask": ids, "pos": pos[None]}) == 2
+    for unclear in ((ids, pos), (ids[:1], pos), (ids, pos[None]), (ids, mask),
+                    (torch.zeros(3), torch.zeros(5))):
+        assert rows(unclear) is None, unclear
     assert rows(("text", 1.0)) == 1
-    assert fzero.step._rows([(ids, pos), (torch.zeros(3), torch.zeros(5))]) is None
-    unequal = fzero.MicroBatches([(ids, pos), (torch.zeros(4, 2, dtype=torch.long),
-                                               torch.arange(2))])
-    with pytest.raises(ValueError, match=r"sizes along dim 0 \(\[2, 4\]\).*weights=\[2, 4\]"):
+    assert fzero.step._rows([(ids, ids), (torch.zeros(3), torch.zeros(5))]) is None
+    assert fzero.step._rows([(ids, ids), (ids[:1], ids[:1])]) == 3
+    unequal = fzero.MicroBatches([(ids, ids), (ids[:1], ids[:1])])
+    with pytest.raises(ValueError, match=r"sizes along dim 0 \(\[2, 1\]\).*weights=\[2, 1\]"):
         fzero.step.micro_weights(unequal, list(unequal))
-    unclear = fzero.MicroBatches([(torch.zeros(3), torch.zeros(5)),
-                                  (torch.zeros(3), torch.zeros(4))])
-    with pytest.raises(ValueError, match=r"size of micro-batch 1 cannot be told: .*\[3, 5\]"):
-        fzero.step.micro_weights(unclear, list(unclear))
-    alike = fzero.MicroBatches([(torch.zeros(3), torch.zeros(5))] * 2)
+    for a, b in (((ids, mask), (ids[:1], mask)), ((ids, pos), (ids.repeat(2, 1), pos))):
+        given = fzero.MicroBatches([a, b])
+        with pytest.raises(ValueError, match=r"size of micro-batch 1 cannot be told"):
+            fzero.step.micro_weights(given, list(given))
+    alike = fzero.MicroBatches([(ids, mask), (ids + 1, mask)])
     assert fzero.step.micro_weights(alike, list(alike)) is None
+    tokens = [fzero.step._rows_token([m]) for m in ((ids, pos), (ids, pos[:6]), (ids, pos))]
+    assert tokens[0] == tokens[2] < 0 and tokens[1] < 0 and tokens[0] != tokens[1]
+    assert fzero.step._rows_token([(ids, ids)]) == 2
 
 
 def _unclear_rows_body(comm: Any, model: nn.Module, lengths: list[int]) -> dict[str, Tensor]:
@@ -809,14 +819,17 @@ def _unclear_rows_body(comm: Any, model: nn.Module, lengths: list[int]) -> dict[
     return fzero.full_params(state)
 
 
-def test_a_rank_whose_rows_cannot_be_told_is_not_compared() -> None:
-    """Rank 0's batch of (2,) and (3,) tensors does not say its rows, rank 1's (2,) and (2,)
-    does: the ranks' row check leaves out a rank that cannot tell (the step trains) and
-    compares the others."""
+def test_ranks_whose_rows_cannot_be_told_compare_their_tensors_sizes() -> None:
+    """Batches of (2,) and (3,) tensors do not say their rows: ranks whose tensors have equal
+    sizes along dim 0 train (whatever their rows, they have as many); a rank whose tensors
+    differ, or that can tell where another cannot, is refused."""
     model = nn.Linear(1, 1, dtype=torch.float64)
-    outs = fzero.SimWorld(2).run(_unclear_rows_body, model, [3, 2])
+    outs = fzero.SimWorld(2).run(_unclear_rows_body, model, [3, 3])
     assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])
     assert not torch.equal(outs[0]["weight"], model.weight)  # it trained
+    for lengths, unclear in (([3, 4], "[0, 1]"), ([3, 2], "[0]")):
+        for message in every_rank_raises(2, _unclear_rows_body, model, lengths):
+            assert f"the batches of rank(s) {unclear} do not tell their rows" in message
 
 
 @pytest.mark.parametrize("stage", [0, 3])
