@@ -697,7 +697,7 @@ def micro_weights(batch: Any, micro_batches: Sequence[Any]) -> tuple[float, ...]
     weights = getattr(batch, "weights", None)
     if weights is None:
         sizes = [_rows([micro]) for micro in micro_batches]
-        if None in sizes and len({tuple(_dim0_sizes(m)) for m in micro_batches}) > 1:
+        if None in sizes and len({tuple(_dim0_signature(m)) for m in micro_batches}) > 1:
             unclear = sizes.index(None)
             raise ValueError(
                 f"MicroBatches without weights, and the size of micro-batch {unclear + 1} "
@@ -1580,9 +1580,10 @@ def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
             f"sizes along dim 0 equally common among a micro-batch's tensors, such as (ids "
             f"(B, T), positions (T,))), and the ranks' tensors differ in size along dim 0: "
             f"nothing shows that every rank has as many rows, which averaging gradients over "
-            f"the {world} ranks needs to equal the global batch's mean. Give the tensors that "
-            f"are not one per row a leading dim of 1 (positions[None]: 1 on every rank, whatever "
-            f"their length), or keep them out of the batch (close over them in loss_fn)",
+            f"the {world} ranks needs to equal the global batch's mean. Give every rank as "
+            f"many rows; where they have, give the tensors that are not one per row a leading "
+            f"dim of 1 (positions[None]: 1 on every rank, whatever their length), or keep them "
+            f"out of the batch (close over them in loss_fn)",
             step=step, ranks=unclear,
         )
 
@@ -2062,13 +2063,31 @@ def _micro_rows(micro: Any) -> int | None:
 def _rows_token(micro_batches: Sequence[Any]) -> int:
     """What a rank tells the others of its rows (`_raise_if_failed` compares them): its rows;
     where they cannot be told (`_rows`), -1 minus a 50-bit digest of its micro-batches'
-    tensors' sizes along dim 0 (exact in the float64 the statistics travel in), equal for
-    ranks whose tensors have equal sizes there, whatever their rows are."""
+    tensors' places and sizes along dim 0 (`_dim0_signature`; exact in the float64 the
+    statistics travel in), equal for ranks whose tensors have equal sizes there, whatever
+    their rows are."""
     rows = _rows(micro_batches)
     if rows is not None:
         return rows
-    sizes = repr([_dim0_sizes(micro) for micro in micro_batches]).encode()
+    sizes = repr([_dim0_signature(micro) for micro in micro_batches]).encode()
     return -1 - (int.from_bytes(hashlib.sha256(sizes).digest()[:8], "big") >> 14)
+
+
+def _dim0_signature(micro: Any) -> list[tuple[str, int]]:
+    """Each tensor's place in a micro-batch (its pytree path) and size along dim 0, in order
+    of place: equal for micro-batches whose tensors in the same places have the same sizes,
+    whatever order a dict's keys come in (the sizes alone in pytree order told two equal
+    dicts apart, in order of size made (ids (2, 4), positions (4,)) equal to (ids (4, 2),
+    positions (2,)): a review and a probe)."""
+    found: list[tuple[str, int]] = []
+    for path, leaf in pytree.tree_flatten_with_path(micro)[0]:
+        where = pytree.keystr(path)
+        if isinstance(leaf, Tensor):
+            if leaf.dim():
+                found.append((where, leaf.shape[0]))
+        elif isinstance(leaf, Mapping):  # (as `_batch_tensors`: a UserDict is one leaf)
+            found += [(where + inner, size) for inner, size in _dim0_signature(dict(leaf))]
+    return sorted(found)
 
 
 def _dim0_sizes(micro: Any) -> list[int]:

@@ -804,6 +804,16 @@ def test_a_micro_batchs_rows() -> None:
             fzero.step.micro_weights(given, list(given))
     alike = fzero.MicroBatches([(ids, mask), (ids + 1, mask)])
     assert fzero.step.micro_weights(alike, list(alike)) is None
+    # (in any order: a dict's keys may come in another, a review)
+    labels, weights = torch.zeros(3), torch.zeros(5)
+    reordered = fzero.MicroBatches([{"labels": labels, "w": weights},
+                                    {"w": weights, "labels": labels}])
+    assert fzero.step.micro_weights(reordered, list(reordered)) is None
+    assert fzero.step._rows_token([reordered[0]]) == fzero.step._rows_token([reordered[1]])
+    as_user_dicts = [collections.UserDict(m) for m in reordered]  # (one pytree leaf each)
+    assert fzero.step._rows_token(as_user_dicts[:1]) == fzero.step._rows_token(as_user_dicts[1:])
+    assert fzero.step._rows_token(as_user_dicts[:1]) != fzero.step._rows_token(
+        [collections.UserDict(labels=labels, w=weights[:4])])
     tokens = [fzero.step._rows_token([m]) for m in ((ids, pos), (ids, pos[:6]), (ids, pos))]
     assert tokens[0] == tokens[2] < 0 and tokens[1] < 0 and tokens[0] != tokens[1]
     assert fzero.step._rows_token([(ids, ids)]) == 2
