@@ -160,8 +160,8 @@ class MicroBatches(list):
     ``sum(w_i * loss_i) / sum(w_i)``. Without `weights` they weigh the same, which equals the
     loss of the whole batch only for micro-batches of equal size, so the step raises when
     their sizes along dim 0 differ (the size of a micro-batch is the most common dim 0 among
-    its tensors, the higher-dimensional one's between equally common sizes), or cannot be told
-    and their tensors' sizes differ. Give `weights` for unequal ones: their rows when
+    its tensors), or cannot be told (two sizes equally common) and their tensors' sizes
+    differ. Give `weights` for unequal ones: their rows when
     ``loss_fn`` means over rows, their target token counts when it means over tokens. Without
     this wrapper a batch is never taken apart by its container's length: it is split along
     dim 0 into `accum_steps`.
