@@ -315,7 +315,8 @@ def make_train_step(
                                      "make_eval_step")
                 micro_batches = split_batch(batch, accum_steps)
                 weights = micro_weights(batch, micro_batches)
-                if _rows(micro_batches) == 0:
+                sizes = [size for micro in micro_batches for size in _dim0_sizes(micro)]
+                if sizes and not any(sizes):  # (not the rows' count: an empty side tensor's)
                     raise ValueError("step: the batch has no rows (every tensor's dim 0 is "
                                      "0): a mean over no rows is undefined")
                 # The step's (global, 1-based) number decides the rate, also for a parameter
@@ -2047,16 +2048,24 @@ def _rows(micro_batches: Sequence[Any]) -> int | None:
 def _micro_rows(micro: Any) -> int | None:
     """A micro-batch's rows: the size along dim 0 that most of its tensors share, so that a
     tensor that is not one row per sample (position ids of shape (1, T) beside two (B, T)
-    tensors) does not decide; 1 without a tensor of a dimension; None where two sizes are
-    equally common: ``(ids (B, T), positions (T,))`` may be B rows or T, ``(ids (B, T),
-    mask (1, 1, T, T))`` B or 1, ``(ids (1, T), positions (T,))`` 1 or T. (Taking the larger
-    counted T for the first: ranks padded to different lengths were refused, ranks of
-    different rows passed; taking the higher-dimensional tensor's counted 1 for the second:
-    both probes.)"""
-    sizes = _dim0_sizes(micro)
-    if not sizes:
+    tensors) does not decide; 1 without a tensor of a dimension.
+
+    A size that is a later dim of a tensor of another size along dim 0 is a length, not rows
+    (T in ``(ids (B, T), cos (T, D), sin (T, D))``, where most tensors are per position; 1 is
+    not a length in ``(ids (1, T), positions (T,))``), and is left out where another size
+    remains. None where two sizes are still equally common: ``(ids (B, T), mask (1, 1, T,
+    T))`` may be B rows or 1, ``(labels (B,), weights (C,))`` B or C. (Taking the larger of
+    equally common sizes counted T rows for ``(ids (B, T), positions (T,))``: ranks padded to
+    different lengths were refused and ranks of different rows trained silently; the most
+    common alone counted the rotary tables' T: probes.)"""
+    tensors = [t for t in _batch_tensors(micro) if t.dim()]
+    if not tensors:
         return 1
-    (size, count), *runner_up = collections.Counter(sizes).most_common(2)
+    counts = collections.Counter(t.shape[0] for t in tensors)
+    lengths = {size for size in counts
+               if any(t.shape[0] != size and size in t.shape[1:] for t in tensors)}
+    rows = collections.Counter({size: n for size, n in counts.items() if size not in lengths})
+    (size, count), *runner_up = (rows or counts).most_common(2)
     return None if runner_up and runner_up[0][1] == count else size
 
 
@@ -2074,20 +2083,12 @@ def _rows_token(micro_batches: Sequence[Any]) -> int:
 
 
 def _dim0_signature(micro: Any) -> list[tuple[str, int]]:
-    """Each tensor's place in a micro-batch (its pytree path) and size along dim 0, in order
-    of place: equal for micro-batches whose tensors in the same places have the same sizes,
-    whatever order a dict's keys come in (the sizes alone in pytree order told two equal
-    dicts apart, in order of size made (ids (2, 4), positions (4,)) equal to (ids (4, 2),
-    positions (2,)): a review and a probe)."""
-    found: list[tuple[str, int]] = []
-    for path, leaf in pytree.tree_flatten_with_path(micro)[0]:
-        where = pytree.keystr(path)
-        if isinstance(leaf, Tensor):
-            if leaf.dim():
-                found.append((where, leaf.shape[0]))
-        elif isinstance(leaf, Mapping):  # (as `_batch_tensors`: a UserDict is one leaf)
-            found += [(where + inner, size) for inner, size in _dim0_signature(dict(leaf))]
-    return sorted(found)
+    """Each tensor's place in a micro-batch and size along dim 0, in order of place: equal for
+    micro-batches whose tensors in the same places have the same sizes, whatever order a
+    dict's keys come in (the sizes alone in pytree order told two equal dicts apart, in order
+    of size made (ids (2, 4), positions (4,)) equal to (ids (4, 2), positions (2,)): a review
+    and a probe)."""
+    return sorted((where, t.shape[0]) for where, t in _placed_tensors(micro) if t.dim())
 
 
 def _dim0_sizes(micro: Any) -> list[int]:
@@ -2096,15 +2097,25 @@ def _dim0_sizes(micro: Any) -> list[int]:
 
 
 def _batch_tensors(batch: Any) -> list[Tensor]:
-    """Every tensor in `batch`: its pytree leaves, and the values of mappings that pytree takes
-    for single leaves (Hugging Face's ``BatchEncoding``, what tokenizers and collators return,
-    is a ``UserDict``)."""
-    found = []
-    for leaf in pytree.tree_leaves(batch):
+    """Every tensor in `batch` (`_placed_tensors`)."""
+    return [tensor for _, tensor in _placed_tensors(batch)]
+
+
+def _placed_tensors(batch: Any, depth: int = 0) -> list[tuple[str, Tensor]]:
+    """Every tensor in `batch` with its place (a pytree path): its pytree leaves, and the
+    values of what pytree takes for single leaves: mappings (Hugging Face's ``BatchEncoding``,
+    what tokenizers and collators return, is a ``UserDict``) and dataclass instances (their
+    fields: a batch of one counted one row on every rank, a probe), 4 levels deep."""
+    found: list[tuple[str, Tensor]] = []
+    for path, leaf in pytree.tree_flatten_with_path(batch)[0]:
+        where = pytree.keystr(path)
         if isinstance(leaf, Tensor):
-            found.append(leaf)
-        elif isinstance(leaf, Mapping):
-            found += _batch_tensors(dict(leaf))
+            found.append((where, leaf))
+        elif depth < 4 and isinstance(leaf, Mapping):
+            found += [(where + inner, t) for inner, t in _placed_tensors(dict(leaf), depth + 1)]
+        elif depth < 4 and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            fields = {f.name: getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)}
+            found += [(where + inner, t) for inner, t in _placed_tensors(fields, depth + 1)]
     return found
 
 

@@ -745,19 +745,14 @@ def _tokens_and_positions_body(comm: Any, model: nn.Module, shapes: list[tuple[i
     return fzero.full_params(state)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_ranks_padded_to_different_lengths(stage: int) -> None:
-    """Two rows on each rank, padded to lengths 8 and 6, beside positions of shape (T,): such a
-    batch does not say whether it has 2 rows or T (the larger of two equally common sizes along
-    dim 0 counted 8 and 6, and the step refused the ranks as of different sizes, a probe). The
-    step still refuses, saying why and what to do; with positions of shape (1, T) it trains,
-    equal to torch on the whole batch (float64)."""
+@pytest.mark.parametrize(("stage", "leading"), [(0, False), (3, False), (3, True)])
+def test_ranks_padded_to_different_lengths_train_like_torch(stage: int, leading: bool) -> None:
+    """Two rows on each rank, padded to lengths 8 and 6, beside positions of shape (T,) (or
+    (1, T)): the larger of two equally common sizes along dim 0 counted 8 and 6 rows, and the
+    step refused the ranks as of different sizes (a probe). T is a length (ids' dim 1), not
+    rows: equal to torch on the whole batch (float64)."""
     model, shapes = _TokensAndPositions(), [(2, 8), (2, 6)]
-    for message in every_rank_raises(2, _tokens_and_positions_body, model, shapes, stage):
-        assert "the batches of rank(s) [0, 1] do not tell their rows" in message
-        assert "positions[None]" in message
-    got = fzero.SimWorld(2).run(_tokens_and_positions_body, model, shapes, stage,
-                                leading=True)[0]
+    got = fzero.SimWorld(2).run(_tokens_and_positions_body, model, shapes, stage, leading)[0]
     reference = copy.deepcopy(model)
     batches = [_tokens_and_positions(*shape, seed=rank) for rank, shape in enumerate(shapes)]
     sum(_per_row_loss(reference, b).mean() for b in batches).div(2).backward()
@@ -770,38 +765,50 @@ def test_ranks_padded_to_different_lengths(stage: int) -> None:
 def test_ranks_of_different_rows_beside_a_position_tensor_raise(leading: bool) -> None:
     """Ranks of 2 rows (length 4) and 4 rows (length 2) both counted 4 rows (the larger of
     two equally common sizes) and trained the mean of the ranks' means, 0.15 away from
-    torch's step on the whole batch, silently (a probe)."""
+    torch's step on the whole batch, silently (a probe). With positions (1, T) the rows
+    cannot be told (B or 1), and the ranks' tensors differ in size: refused too."""
     shapes = [(2, 4), (4, 2)]
     for message in every_rank_raises(2, _tokens_and_positions_body, _TokensAndPositions(),
                                      shapes, 1, leading):
-        assert "do not tell their rows" in message
+        assert ("do not tell their rows" if leading else "rows per rank [2, 4]") in message
+
+
+@dataclasses.dataclass
+class _Batch:
+    ids: Tensor
+    labels: Tensor
 
 
 def test_a_micro_batchs_rows() -> None:
-    """`_micro_rows`: the most common dim 0, None where two sizes are equally common (a larger
-    or higher-dimensional one's counted T rows for (ids (B, T), positions (T,)), 1 for (ids
-    (B, T), mask (1, 1, T, T)): probes). `micro_weights` raises for MicroBatches whose sizes
-    differ, or cannot be told and their tensors' sizes differ (MicroBatches of 4 and 2 rows
-    beside one mask took equal weights, silently, a probe), and takes equal weights where
-    every micro-batch's tensors have the sizes of the others'."""
+    """`_micro_rows`: the most common dim 0, leaving out a size that is another tensor's later
+    dim (a length: rotary tables (T, D) beside ids (B, T) counted T rows, a probe); None where
+    two sizes are still equally common (the larger, or the higher-dimensional tensor's, counted
+    T rows for (ids (B, T), positions (T,)) and 1 for (ids (B, T), mask (1, 1, T, T)): probes).
+    A dataclass's fields count (it counted 1 row on every rank, a probe). `micro_weights`
+    raises for MicroBatches whose sizes differ, or cannot be told and their tensors' sizes
+    differ (MicroBatches of 4 and 2 rows beside one mask took equal weights, silently, a
+    review), and takes equal weights where every micro-batch's tensors have the sizes of the
+    others' in the same places."""
     rows = fzero.step._micro_rows
     ids, pos = torch.zeros(2, 8, dtype=torch.long), torch.arange(8)
-    mask = torch.zeros(1, 1, 8, 8)
+    mask, table = torch.zeros(1, 1, 8, 8), torch.zeros(8, 4)
     assert rows({"ids": ids, "mask": ids, "pos": torch.zeros(8, 3)}) == 2
     assert rows({"ids": ids, "mask": ids, "pos": pos[None]}) == 2
-    for unclear in ((ids, pos), (ids[:1], pos), (ids, pos[None]), (ids, mask),
+    assert rows((ids, pos)) == 2 and rows((ids[:1], pos)) == 1  # (T is ids' length)
+    assert rows({"ids": ids, "cos": table, "sin": table}) == 2
+    assert rows(_Batch(ids, ids[:, 0])) == 2 and rows(_Batch(ids[:1], ids[:1, 0])) == 1
+    for unclear in ((ids, pos[None]), (ids, mask), (ids[:, :5], torch.zeros(4, 5, 5)),
                     (torch.zeros(3), torch.zeros(5))):
         assert rows(unclear) is None, unclear
     assert rows(("text", 1.0)) == 1
     assert fzero.step._rows([(ids, ids), (torch.zeros(3), torch.zeros(5))]) is None
-    assert fzero.step._rows([(ids, ids), (ids[:1], ids[:1])]) == 3
-    unequal = fzero.MicroBatches([(ids, ids), (ids[:1], ids[:1])])
-    with pytest.raises(ValueError, match=r"sizes along dim 0 \(\[2, 1\]\).*weights=\[2, 1\]"):
+    assert fzero.step._rows([(ids, pos), (ids[:1], ids[:1])]) == 3
+    unequal = fzero.MicroBatches([(ids, pos), (ids.repeat(2, 1), pos)])
+    with pytest.raises(ValueError, match=r"sizes along dim 0 \(\[2, 4\]\).*weights=\[2, 4\]"):
         fzero.step.micro_weights(unequal, list(unequal))
-    for a, b in (((ids, mask), (ids[:1], mask)), ((ids, pos), (ids.repeat(2, 1), pos))):
-        given = fzero.MicroBatches([a, b])
-        with pytest.raises(ValueError, match=r"size of micro-batch 1 cannot be told"):
-            fzero.step.micro_weights(given, list(given))
+    given = fzero.MicroBatches([(ids, mask), (ids[:1], mask)])
+    with pytest.raises(ValueError, match=r"size of micro-batch 1 cannot be told"):
+        fzero.step.micro_weights(given, list(given))
     alike = fzero.MicroBatches([(ids, mask), (ids + 1, mask)])
     assert fzero.step.micro_weights(alike, list(alike)) is None
     # (in any order: a dict's keys may come in another, a review)
@@ -814,9 +821,30 @@ def test_a_micro_batchs_rows() -> None:
     assert fzero.step._rows_token(as_user_dicts[:1]) == fzero.step._rows_token(as_user_dicts[1:])
     assert fzero.step._rows_token(as_user_dicts[:1]) != fzero.step._rows_token(
         [collections.UserDict(labels=labels, w=weights[:4])])
-    tokens = [fzero.step._rows_token([m]) for m in ((ids, pos), (ids, pos[:6]), (ids, pos))]
-    assert tokens[0] == tokens[2] < 0 and tokens[1] < 0 and tokens[0] != tokens[1]
+    tokens = [fzero.step._rows_token([m]) for m in ((ids, mask), (ids, mask[:, :, :6]),
+                                                    (ids.repeat(2, 1), mask))]
+    assert tokens[0] == tokens[1] < 0 and tokens[2] < 0 and tokens[0] != tokens[2]
     assert fzero.step._rows_token([(ids, ids)]) == 2
+
+
+def test_empty_side_tensors_do_not_make_a_batch_rowless() -> None:
+    """A batch of 2 rows beside three empty (0, D) tensors: their dim 0 was the most common,
+    and the step refused it as a batch without rows (a probe); only a batch whose every tensor
+    is empty along dim 0 has none."""
+    model = nn.Linear(3, 1, dtype=torch.float64)
+    x, empty = torch.ones(2, 3, dtype=torch.float64), torch.zeros(0, 3, dtype=torch.float64)
+
+    def body(comm: Any) -> list[str]:
+        state = fzero.init(model, stage=1, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+        step = fzero.make_train_step(model, lambda call, b: call(b[0]).pow(2).mean())
+        state, metrics = step(state, (x, empty, empty, empty))
+        with pytest.raises(ValueError, match="the batch has no rows"):
+            step(state, (x[:0], empty))
+        return metrics["loss"]
+
+    with torch.no_grad():
+        want = model(x).pow(2).mean().item()
+    assert fzero.SimWorld(1).run(body)[0] == pytest.approx(want)
 
 
 def _unclear_rows_body(comm: Any, model: nn.Module, lengths: list[int]) -> dict[str, Tensor]:
