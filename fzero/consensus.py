@@ -210,6 +210,7 @@ class Statistics(NamedTuple):
     mismatched: tuple[int, ...]  # ranks whose collective sequence differs from rank 0's
     used: tuple[int, ...] | None  # per trainable entry, ranks that used it; None: all, all
     diverged: tuple[int, ...] = ()  # ranks whose parameters' fingerprint differs from rank 0's
+    shapes: tuple[int, ...] = ()  # per rank, the digest of its batch's tensors' dim-0 sizes
 
 
 def exchange_statistics(
@@ -218,6 +219,7 @@ def exchange_statistics(
     squared_norm: float,
     loss_sum: float,
     rows: int,
+    shapes: int = 0,
     failed: str | None,
     nonfinite: bool,
     signatures: Sequence[int],
@@ -230,7 +232,8 @@ def exchange_statistics(
         control: the control channel.
         squared_norm: this rank's share of the global squared gradient norm.
         loss_sum: the sum of this rank's micro-batch losses divided by their number.
-        rows: rows of this rank's batch.
+        rows: rows of this rank's batch (-1: it cannot tell).
+        shapes: a digest (below 2**50) of its batch's tensors' places and dim-0 sizes.
         failed: this rank's error text if its computation raised, else None.
         nonfinite: whether this rank saw a non-finite loss or gradient.
         signatures: the running signature of each channel this step used, in a fixed order.
@@ -245,7 +248,7 @@ def exchange_statistics(
     all_used = all(used)
     word = fingerprint % 2**64  # two 32-bit halves: exact in float64
     vector = [squared_norm, loss_sum, float(rows), float(failed is not None), float(nonfinite),
-              float(all_used), float(word >> 32), float(word & 0xFFFFFFFF)]
+              float(all_used), float(word >> 32), float(word & 0xFFFFFFFF), float(shapes)]
     for signature in signatures:
         vector += [float(signature // _HALF), float(signature % _HALF)]
     mine = torch.tensor(vector, dtype=torch.float64)
@@ -270,7 +273,7 @@ def exchange_statistics(
         flags = torch.tensor([float(u) for u in used], dtype=torch.float64)
         control.all_reduce(flags, op="sum", label="of the parameters each rank used")
         counts = tuple(int(c) for c in flags.tolist())
-    reference = table[0][8:]
+    reference = table[0][9:]
     return Statistics(
         squared_norm=sum(row[0] for row in table),
         loss_sum=sum(row[1] for row in table),
@@ -278,7 +281,8 @@ def exchange_statistics(
         failed=failed_ranks,
         messages=messages,
         nonfinite=tuple(r for r in range(n) if table[r][4]),
-        mismatched=tuple(r for r in range(n) if table[r][8:] != reference),
+        mismatched=tuple(r for r in range(n) if table[r][9:] != reference),
         used=counts,
         diverged=tuple(r for r in range(n) if table[r][6:8] != table[0][6:8]),
+        shapes=tuple(int(row[8]) for row in table),
     )

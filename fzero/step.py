@@ -160,8 +160,9 @@ class MicroBatches(list):
     ``sum(w_i * loss_i) / sum(w_i)``. Without `weights` they weigh the same, which equals the
     loss of the whole batch only for micro-batches of equal size, so the step raises when
     their sizes along dim 0 differ (the size of a micro-batch is the most common dim 0 among
-    its tensors), or cannot be told (two sizes equally common) and their tensors' sizes
-    differ. Give `weights` for unequal ones: their rows when
+    its tensors, a length, another tensor's later dim, losing a tie), or cannot be told (a tie
+    nothing breaks, or a most common size that is a length) and their tensors' sizes differ
+    place by place. Give `weights` for unequal ones: their rows when
     ``loss_fn`` means over rows, their target token counts when it means over tokens. Without
     this wrapper a batch is never taken apart by its container's length: it is split along
     dim 0 into `accum_steps`.
@@ -316,9 +317,10 @@ def make_train_step(
                 micro_batches = split_batch(batch, accum_steps)
                 weights = micro_weights(batch, micro_batches)
                 sizes = [size for micro in micro_batches for size in _dim0_sizes(micro)]
-                if sizes and not any(sizes):  # (not the rows' count: an empty side tensor's)
-                    raise ValueError("step: the batch has no rows (every tensor's dim 0 is "
-                                     "0): a mean over no rows is undefined")
+                if _rows(micro_batches) == 0 or (sizes and not any(sizes)):
+                    raise ValueError("step: the batch has no rows (dim 0 of its tensors is "
+                                     "0, of most of them or of those that are not lengths): "
+                                     "a mean over no rows is undefined")
                 # The step's (global, 1-based) number decides the rate, also for a parameter
                 # whose own update count lags (unused in earlier steps): that count is only
                 # for its moments' bias correction.
@@ -698,16 +700,17 @@ def micro_weights(batch: Any, micro_batches: Sequence[Any]) -> tuple[float, ...]
     weights = getattr(batch, "weights", None)
     if weights is None:
         sizes = [_rows([micro]) for micro in micro_batches]
-        if None in sizes and len({tuple(_dim0_signature(m)) for m in micro_batches}) > 1:
+        alike = len({tuple(_dim0_signature(micro)) for micro in micro_batches}) <= 1
+        if None in sizes and not alike:
             unclear = sizes.index(None)
             raise ValueError(
                 f"MicroBatches without weights, and the size of micro-batch {unclear + 1} "
                 f"cannot be told: its tensors' sizes along dim 0 are "
-                f"{_dim0_sizes(micro_batches[unclear])[:8]}, equally common (rows, or a "
-                f"tensor per position?), and the micro-batches' tensors differ in size. Equal "
-                f"weights would be the whole batch's mean only for micro-batches of equal "
-                f"size: give each its weight, fzero.MicroBatches(parts, weights=[...]) (its "
-                f"rows when loss_fn means over rows, its target tokens when over tokens)")
+                f"{_dim0_sizes(micro_batches[unclear])[:8]} (rows, or a length?), and the "
+                f"micro-batches' tensors differ in size. Equal weights would be the whole "
+                f"batch's mean only for micro-batches of equal size: give each its weight, "
+                f"fzero.MicroBatches(parts, weights=[...]) (its rows when loss_fn means over "
+                f"rows, its target tokens when over tokens)")
         if None not in sizes and len(set(sizes)) > 1:
             raise ValueError(
                 f"MicroBatches of different sizes along dim 0 ({sizes[:8]}): the step would "
@@ -749,7 +752,8 @@ class _Run:
     weights: tuple[float, ...] | None  # the losses' shares (None: equal)
     grads: list[Tensor]  # per trainable bucket, reduced (stage 0: full; else this rank's shard)
     used: list[bool]  # per trainable entry, whether this rank's backward reached it
-    rows: int  # of this rank's micro-batches, or < 0 where they cannot tell (`_rows_token`)
+    rows: int  # of this rank's micro-batches, or -1 where they cannot tell (`_rows`)
+    shapes: int  # the digest of their tensors' places and dim-0 sizes (`_shape_digest`)
     failure: BaseException | None  # this rank's own exception, if its computation raised
     aborted: bool  # some rank failed (known to every rank at stage 3)
     order: BucketOrder | None  # stage 3: the agreed sequences
@@ -823,7 +827,7 @@ def _run(
                     session.recover(last, peer=False)
         grads = session.finish()
         replaced, toggled = leaves.replaced(), leaves.toggled()
-        rows = _rows_token(micro_batches)
+        rows = _rows(micro_batches)
         if failure is None and not session.aborted:
             failure = _lost_to_the_state(state, session.written, replaced, toggled, watch)
         run = _Run(
@@ -832,7 +836,8 @@ def _run(
             grads=grads,
             used=[flag for flags, bucket in zip(session.completion.used, state.layout.buckets,
                                                 strict=True) if bucket.trainable for flag in flags],
-            rows=rows,
+            rows=-1 if rows is None else rows,
+            shapes=_shape_digest(micro_batches),
             failure=failure,
             aborted=session.aborted,
             order=session.order,
@@ -1494,6 +1499,7 @@ def _exchange(state: ShardState, run: _Run, control: Comm) -> Any:
         squared_norm=squared_norm,
         loss_sum=loss_sum,
         rows=run.rows,
+        shapes=run.shapes,
         failed=None if own is None else f"{type(own).__name__}: {own}",
         nonfinite=not math.isfinite(loss_sum),
         signatures=[c.signature for c in channels],
@@ -1567,26 +1573,29 @@ def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
             step=step, ranks=stats.mismatched,
         )
     world = state.config.comm.world_size
-    if len(set(stats.rows)) > 1 and all(n >= 0 for n in stats.rows):
+    rows, shapes = stats.rows, stats.shapes
+    if (min(rows) >= 0 and len(set(rows)) == 1) or len(set(shapes)) <= 1:
+        return  # as many rows everywhere: by the rows the batches tell, or by their shapes
+    if min(rows) >= 0:
         raise StepError(
             f"train step {step}: ranks were given batches of different sizes (rows per rank "
-            f"{list(stats.rows)}): give every rank the same number of rows, so that averaging "
+            f"{list(rows)}): give every rank the same number of rows, so that averaging "
             f"gradients over the {world} ranks equals the global batch's mean",
-            step=step, ranks=[r for r, n in enumerate(stats.rows) if n != stats.rows[0]],
+            step=step, ranks=[r for r, n in enumerate(rows) if n != rows[0]],
         )
-    if len(set(stats.rows)) > 1:
-        unclear = [r for r, n in enumerate(stats.rows) if n < 0]
-        raise StepError(
-            f"train step {step}: the batches of rank(s) {unclear} do not tell their rows (two "
-            f"sizes along dim 0 equally common among a micro-batch's tensors, such as (ids "
-            f"(B, T), positions (T,))), and the ranks' tensors differ in size along dim 0: "
-            f"nothing shows that every rank has as many rows, which averaging gradients over "
-            f"the {world} ranks needs to equal the global batch's mean. Give every rank as "
-            f"many rows; where they have, give the tensors that are not one per row a leading "
-            f"dim of 1 (positions[None]: 1 on every rank, whatever their length), or keep them "
-            f"out of the batch (close over them in loss_fn)",
-            step=step, ranks=unclear,
-        )
+    unclear = [r for r, n in enumerate(rows) if n < 0]
+    raise StepError(
+        f"train step {step}: the batches of rank(s) {unclear} do not tell their rows (see "
+        f"fzero.MicroBatches: sizes along dim 0 equally common among a micro-batch's tensors, "
+        f"such as (ids (B, T), mask (1, 1, T, T)), or a size that is also a length, such as "
+        f"rotary tables (T, D) beside ids (B, T)), and the ranks' tensors differ in size "
+        f"along dim 0: nothing shows that every rank has as many rows, which averaging "
+        f"gradients over the {world} ranks needs to equal the global batch's mean. Give every "
+        f"rank as many rows; where they have, keep the tensors that are not one per row out of "
+        f"the batch (close over them in loss_fn), or give them a leading dim of 1 "
+        f"(positions[None]) where their length differs between ranks",
+        step=step, ranks=unclear,
+    )
 
 
 def _check_skip(state: ShardState, stats: Any, control: Comm, max_skipped: int) -> None:
@@ -2046,40 +2055,52 @@ def _rows(micro_batches: Sequence[Any]) -> int | None:
 
 
 def _micro_rows(micro: Any) -> int | None:
-    """A micro-batch's rows: the size along dim 0 that most of its tensors share, so that a
-    tensor that is not one row per sample (position ids of shape (1, T) beside two (B, T)
-    tensors) does not decide; 1 without a tensor of a dimension.
+    """A micro-batch's rows, or None where its tensors do not tell (`_rows_of`)."""
+    return _rows_of([t for t in _batch_tensors(micro) if t.dim()])
 
-    A size that is a later dim of a tensor of another size along dim 0 is a length, not rows
-    (T in ``(ids (B, T), cos (T, D), sin (T, D))``, where most tensors are per position; 1 is
-    not a length in ``(ids (1, T), positions (T,))``), and is left out where another size
-    remains. None where two sizes are still equally common: ``(ids (B, T), mask (1, 1, T,
-    T))`` may be B rows or 1, ``(labels (B,), weights (C,))`` B or C. (Taking the larger of
-    equally common sizes counted T rows for ``(ids (B, T), positions (T,))``: ranks padded to
-    different lengths were refused and ranks of different rows trained silently; the most
-    common alone counted the rotary tables' T: probes.)"""
-    tensors = [t for t in _batch_tensors(micro) if t.dim()]
+
+def _rows_of(tensors: Sequence[Tensor]) -> int | None:
+    """The rows of tensors of a dimension: the size along dim 0 that most of them share, so
+    that a tensor that is not one row per sample (position ids of shape (1, T) beside two
+    (B, T) tensors) does not decide; 1 for no tensor. A size that is a later dim of a tensor
+    of another size along dim 0 is a length (T in ``(ids (B, T), positions (T,))``), not rows:
+    between equally common sizes it loses to one that is not (``(ids (1, T), positions
+    (T,))``: 1). None where that leaves a doubt, for the ranks to compare their tensors'
+    sizes instead (`_shape_digest`): two sizes equally common that no length tells apart
+    (``(ids (B, T), mask (1, 1, T, T))``, B or 1), a most common size that is a length
+    (rotary tables ``(T, D)`` twice beside ids ``(B, T)``), or one that is also a later dim of
+    a tensor of its own size along dim 0 (``ids (T, T)`` beside ``positions (1, T)``: B = T).
+    (The larger of equally common sizes counted T rows for ``(ids (B, T), positions (T,))``,
+    the most common counted the rotary tables' T, and a length rule without these doubts
+    counted 1 row where B equalled T: probes and a review.)"""
     if not tensors:
         return 1
     counts = collections.Counter(t.shape[0] for t in tensors)
-    lengths = {size for size in counts
-               if any(t.shape[0] != size and size in t.shape[1:] for t in tensors)}
-    rows = collections.Counter({size: n for size, n in counts.items() if size not in lengths})
-    (size, count), *runner_up = (rows or counts).most_common(2)
-    return None if runner_up and runner_up[0][1] == count else size
+    later: dict[int, set[int]] = {}  # size -> the sizes along dim 0 of tensors with it later
+    for tensor in tensors:
+        for size in tensor.shape[1:]:
+            later.setdefault(size, set()).add(tensor.shape[0])
+
+    def length(size: int) -> bool:
+        return bool(later.get(size, set()) - {size})
+
+    def doubtful(size: int) -> bool:  # a length, but also a later dim of a tensor of its own
+        return length(size) and size in later[size]  # size along dim 0 (ids (T, T): B = T)
+
+    most = max(counts.values())
+    tied = [size for size, n in counts.items() if n == most]
+    kept = tied if len(tied) == 1 else [size for size in tied if not length(size)]
+    if len(kept) != 1 or length(kept[0]) or any(doubtful(size) for size in tied):
+        return None
+    return kept[0]
 
 
-def _rows_token(micro_batches: Sequence[Any]) -> int:
-    """What a rank tells the others of its rows (`_raise_if_failed` compares them): its rows;
-    where they cannot be told (`_rows`), -1 minus a 50-bit digest of its micro-batches'
-    tensors' places and sizes along dim 0 (`_dim0_signature`; exact in the float64 the
-    statistics travel in), equal for ranks whose tensors have equal sizes there, whatever
-    their rows are."""
-    rows = _rows(micro_batches)
-    if rows is not None:
-        return rows
+def _shape_digest(micro_batches: Sequence[Any]) -> int:
+    """A 50-bit digest (exact in the float64 the statistics travel in) of the places and sizes
+    along dim 0 of a rank's micro-batches' tensors (`_dim0_signature`): ranks whose digests
+    are equal have as many rows whatever their rows are, as long as rows lie along dim 0."""
     sizes = repr([_dim0_signature(micro) for micro in micro_batches]).encode()
-    return -1 - (int.from_bytes(hashlib.sha256(sizes).digest()[:8], "big") >> 14)
+    return int.from_bytes(hashlib.sha256(sizes).digest()[:8], "big") >> 14
 
 
 def _dim0_signature(micro: Any) -> list[tuple[str, int]]:
@@ -2102,18 +2123,29 @@ def _batch_tensors(batch: Any) -> list[Tensor]:
 
 
 def _placed_tensors(batch: Any, depth: int = 0) -> list[tuple[str, Tensor]]:
-    """Every tensor in `batch` with its place (a pytree path): its pytree leaves, and the
-    values of what pytree takes for single leaves: mappings (Hugging Face's ``BatchEncoding``,
-    what tokenizers and collators return, is a ``UserDict``) and dataclass instances (their
-    fields: a batch of one counted one row on every rank, a probe), 4 levels deep."""
+    """Every tensor in `batch` with its place (a pytree path; a leaf's index for a pytree type
+    registered without key paths): its pytree leaves, and the values of what pytree takes for
+    single leaves: mappings (Hugging Face's ``BatchEncoding``, what tokenizers and collators
+    return, is a ``UserDict``) and dataclass instances (their fields: a batch of one counted
+    one row on every rank, a probe), 4 levels deep."""
+    try:
+        leaves = pytree.tree_flatten_with_path(batch)[0]
+        paths = [path for path, _ in leaves]
+        values = [leaf for _, leaf in leaves]
+    except ValueError:  # (a node type registered without flatten_with_keys_fn)
+        values = pytree.tree_leaves(batch)
+        paths = None
     found: list[tuple[str, Tensor]] = []
-    for path, leaf in pytree.tree_flatten_with_path(batch)[0]:
-        where = pytree.keystr(path)
+    for index, leaf in enumerate(values):
+        if not isinstance(leaf, Tensor | Mapping) and not (
+                dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)):
+            continue
+        where = pytree.keystr(paths[index]) if paths is not None else f"<{index}>"
         if isinstance(leaf, Tensor):
             found.append((where, leaf))
         elif depth < 4 and isinstance(leaf, Mapping):
             found += [(where + inner, t) for inner, t in _placed_tensors(dict(leaf), depth + 1)]
-        elif depth < 4 and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+        elif depth < 4 and dataclasses.is_dataclass(leaf):
             fields = {f.name: getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)}
             found += [(where + inner, t) for inner, t in _placed_tensors(fields, depth + 1)]
     return found
