@@ -1514,3 +1514,26 @@ def test_a_forked_child_gets_a_waiting_thread_of_its_own() -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     assert leaves.waiter() is parents
     parents.shutdown(wait=True)
+
+
+class _Pair:
+    """A batch type registered with torch's pytree without key paths."""
+
+    def __init__(self, ids: Tensor, positions: Tensor) -> None:
+        self.ids, self.positions = ids, positions
+
+
+def test_a_batch_type_registered_without_key_paths_has_rows() -> None:
+    """A pytree node type registered without ``flatten_with_keys_fn`` made the step raise
+    torch's "Did not find a flatten_with_keys_fn" once rows compared tensors' places (a
+    review): its leaves are placed by index."""
+    import torch.utils._pytree as pytree
+
+    if _Pair not in pytree.SUPPORTED_NODES:
+        pytree.register_pytree_node(_Pair, lambda p: ([p.ids, p.positions], None),
+                                    lambda leaves, _: _Pair(*leaves))
+    ids, pos = torch.zeros(4, 8), torch.zeros(1, 8)
+    assert fzero.step._micro_rows(_Pair(ids, ids)) == 4
+    assert fzero.step._dim0_signature(_Pair(ids, pos)) == [("<0>", 4), ("<1>", 1)]
+    assert fzero.step._shape_digest([_Pair(ids, pos)]) != fzero.step._shape_digest(
+        [_Pair(ids[:2], pos)])
