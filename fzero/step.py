@@ -316,8 +316,7 @@ def make_train_step(
                                      "make_eval_step")
                 micro_batches = split_batch(batch, accum_steps)
                 weights = micro_weights(batch, micro_batches)
-                sizes = [size for micro in micro_batches for size in _dim0_sizes(micro)]
-                if _rows(micro_batches) == 0 or (sizes and not any(sizes)):
+                if _rows(micro_batches) == 0:  # (also where every tensor's dim 0 is 0)
                     raise ValueError("step: the batch has no rows (dim 0 of its tensors is "
                                      "0, of most of them or of those that are not lengths): "
                                      "a mean over no rows is undefined")
@@ -700,8 +699,7 @@ def micro_weights(batch: Any, micro_batches: Sequence[Any]) -> tuple[float, ...]
     weights = getattr(batch, "weights", None)
     if weights is None:
         sizes = [_rows([micro]) for micro in micro_batches]
-        alike = len({tuple(_dim0_signature(micro)) for micro in micro_batches}) <= 1
-        if None in sizes and not alike:
+        if None in sizes and len({tuple(_dim0_signature(m)) for m in micro_batches}) > 1:
             unclear = sizes.index(None)
             raise ValueError(
                 f"MicroBatches without weights, and the size of micro-batch {unclear + 1} "
@@ -2118,36 +2116,42 @@ def _dim0_sizes(micro: Any) -> list[int]:
 
 
 def _batch_tensors(batch: Any) -> list[Tensor]:
-    """Every tensor in `batch` (`_placed_tensors`)."""
-    return [tensor for _, tensor in _placed_tensors(batch)]
+    """Every tensor in `batch` (`_placed_tensors`, without their places)."""
+    return [tensor for _, tensor in _placed_tensors(batch, places=False)]
 
 
-def _placed_tensors(batch: Any, depth: int = 0) -> list[tuple[str, Tensor]]:
+def _placed_tensors(batch: Any, depth: int = 0, *, places: bool = True
+                    ) -> list[tuple[str, Tensor]]:
     """Every tensor in `batch` with its place (a pytree path; a leaf's index for a pytree type
-    registered without key paths): its pytree leaves, and the values of what pytree takes for
-    single leaves: mappings (Hugging Face's ``BatchEncoding``, what tokenizers and collators
-    return, is a ``UserDict``) and dataclass instances (their fields: a batch of one counted
-    one row on every rank, a probe), 4 levels deep."""
-    try:
-        leaves = pytree.tree_flatten_with_path(batch)[0]
-        paths = [path for path, _ in leaves]
-        values = [leaf for _, leaf in leaves]
-    except ValueError:  # (a node type registered without flatten_with_keys_fn)
+    registered without key paths; "" without `places`, which the row count does not need):
+    its pytree leaves, and the values of what pytree takes for single leaves: mappings
+    (Hugging Face's ``BatchEncoding``, what tokenizers and collators return, is a
+    ``UserDict``) and dataclass instances (their fields: a batch of one counted one row on
+    every rank, a probe), 4 levels deep."""
+    paths = None
+    if places:
+        try:
+            flat = pytree.tree_flatten_with_path(batch)[0]
+            paths, values = [path for path, _ in flat], [leaf for _, leaf in flat]
+        except ValueError:  # (a node type registered without flatten_with_keys_fn)
+            values = pytree.tree_leaves(batch)
+    else:
         values = pytree.tree_leaves(batch)
-        paths = None
     found: list[tuple[str, Tensor]] = []
     for index, leaf in enumerate(values):
         if not isinstance(leaf, Tensor | Mapping) and not (
                 dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)):
             continue
-        where = pytree.keystr(paths[index]) if paths is not None else f"<{index}>"
+        where = ("" if not places else pytree.keystr(paths[index]) if paths is not None
+                 else f"<{index}>")
         if isinstance(leaf, Tensor):
             found.append((where, leaf))
-        elif depth < 4 and isinstance(leaf, Mapping):
-            found += [(where + inner, t) for inner, t in _placed_tensors(dict(leaf), depth + 1)]
-        elif depth < 4 and dataclasses.is_dataclass(leaf):
-            fields = {f.name: getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)}
-            found += [(where + inner, t) for inner, t in _placed_tensors(fields, depth + 1)]
+            continue
+        if depth >= 4:
+            continue
+        inner = dict(leaf) if isinstance(leaf, Mapping) else {
+            f.name: getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)}
+        found += [(where + w, t) for w, t in _placed_tensors(inner, depth + 1, places=places)]
     return found
 
 
