@@ -162,7 +162,8 @@ class MicroBatches(list):
     their sizes along dim 0 differ (the size of a micro-batch is the most common dim 0 among
     its tensors, a length, another tensor's later dim, losing a tie), or cannot be told (a tie
     nothing breaks, or a most common size that is a length) and their tensors' sizes differ
-    place by place. Give `weights` for unequal ones: their rows when
+    place by place (or by the step's declared ``rows=``, which also weighs unequal ones by
+    their rows). Give `weights` for unequal ones: their rows when
     ``loss_fn`` means over rows, their target token counts when it means over tokens. Without
     this wrapper a batch is never taken apart by its container's length: it is split along
     dim 0 into `accum_steps`.
@@ -190,6 +191,7 @@ def make_train_step(
     buffers: str = "broadcast",
     streams: SideStreams | None = None,
     max_skipped: int = 50,
+    rows: Callable[[Any], int] | None = None,
 ) -> Callable[[ShardState, Any], tuple[ShardState, dict[str, Any]]]:
     """Build ``step(state, batch) -> (state, metrics)`` for `model` (see the module docstring).
 
@@ -220,6 +222,13 @@ def make_train_step(
             computed in the master dtype, is not finite: a non-finite gradient, or finite
             ones whose squares overflow it (above ~1.8e19 in float32). A skipped step with
             non-finite *parameters* raises at once.
+        rows: ``rows(micro_batch) -> int``, the rows ``loss_fn`` means over, declared: every
+            rank's count must then be equal (the step raises naming the ranks that differ), and
+            micro-batches of unequal counts weigh by them (unless `MicroBatches` gives
+            `weights`). None (default): rows are told from the tensors' sizes along dim 0 (see
+            `MicroBatches`), which a batch that is not one row per sample along dim 0 can
+            mislead or leave in doubt (per-image lists of boxes, rotary tables ``(T, D)``
+            with lengths that differ between ranks): declare rows for such batches.
 
     Returns:
         The step function. ``metrics`` holds ``loss`` (mean over ranks and micro-batches,
@@ -265,6 +274,8 @@ def make_train_step(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if decay is not None and not callable(decay):
         raise TypeError(f"decay must be None or a function (name, shape) -> bool, got {decay!r}")
+    if rows is not None and not callable(rows):
+        raise TypeError(f"rows must be None or a function micro_batch -> int, got {rows!r}")
     binder = Binder(model)
     own_streams: dict[torch.device, Streams | None] = {}  # see _streams_of
     plans: dict[tuple[str, int, int], Any] = {}  # decay ranges per (layout, stage, rank)
@@ -302,6 +313,7 @@ def make_train_step(
         release: Callable[[], None] | None = None
         named: dict[str, Tensor] = {}  # the module's parameters, by name
         weights: tuple[float, ...] | None = None  # the micro-batches' shares of the loss
+        count: int | None = None  # this rank's rows (None: its batch does not tell)
         try:  # the module is released whatever happens, an interrupt included
             try:  # checks that may fail on one rank only: reported to all through the header
                 check_live(state, "step")
@@ -315,11 +327,14 @@ def make_train_step(
                                      "parameter is frozen): there is nothing to train; use "
                                      "make_eval_step")
                 micro_batches = split_batch(batch, accum_steps)
-                weights = micro_weights(batch, micro_batches)
-                if _rows(micro_batches) == 0:  # (also where every tensor's dim 0 is 0)
+                declared = None if rows is None else _declared_rows(rows, micro_batches)
+                weights = micro_weights(batch, micro_batches, rows=declared)
+                count = _rows(micro_batches) if declared is None else sum(declared)
+                if count == 0:  # (also where every tensor's dim 0 is 0)
                     raise ValueError("step: the batch has no rows (dim 0 of its tensors is "
-                                     "0, of most of them or of those that are not lengths): "
-                                     "a mean over no rows is undefined")
+                                     "0, of most of them or of those that are not lengths; "
+                                     "or rows(batch) said 0): a mean over no rows is "
+                                     "undefined")
                 # The step's (global, 1-based) number decides the rate, also for a parameter
                 # whose own update count lags (unused in earlier steps): that count is only
                 # for its moments' bias correction.
@@ -332,7 +347,7 @@ def make_train_step(
             # (tensors made under inference mode could not be trained with afterwards)
             with (torch.inference_mode(False), state.config.comm.scope(
                     f"train step {state.step + 1}")):
-                return _train(state, micro_batches, weights, problem, applied, agreed,
+                return _train(state, micro_batches, weights, count, problem, applied, agreed,
                               named)
         finally:
             if release is not None:
@@ -340,7 +355,8 @@ def make_train_step(
 
     def _train(
         state: ShardState, micro_batches: list[Any], weights: tuple[float, ...] | None,
-        problem: Exception | None, applied: float | None, agreed: dict[str, str],
+        count: int | None, problem: Exception | None, applied: float | None,
+        agreed: dict[str, str],
         named: dict[str, Tensor],
     ) -> tuple[ShardState, dict[str, Any]]:
         nonlocal checked_writes
@@ -357,7 +373,7 @@ def make_train_step(
         control_before = control.counters.total()
         buffers_now = {name: b.clone() for name, b in state.buffers.items()}
         side = streams if streams is not None else _streams_of(own_streams, state.config.device)
-        run = _run(state, model, binder, loss_fn, micro_batches, weights, buffers_now,
+        run = _run(state, model, binder, loss_fn, micro_batches, weights, count, buffers_now,
                    prefetch, side, sync_buffers=buffers == "broadcast", gate=header.check,
                    leaves=leaves,
                    check_writes=not checked_writes, named=named)
@@ -683,20 +699,25 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     ]
 
 
-def micro_weights(batch: Any, micro_batches: Sequence[Any]) -> tuple[float, ...] | None:
+def micro_weights(batch: Any, micro_batches: Sequence[Any], *,
+                  rows: Sequence[int] | None = None) -> tuple[float, ...] | None:
     """Each micro-batch's share of the step's loss, summing to 1; None for equal shares.
 
-    A batch split along dim 0 has equal parts; a `MicroBatches` list has its `weights`
-    (normalized), or none when its micro-batches have the same size along dim 0.
+    A `MicroBatches` list has its `weights` (normalized). Otherwise, with `rows` (the
+    micro-batches' rows, as a step's ``rows=`` declares them) the shares are those rows';
+    without, a batch split along dim 0 has equal parts, and `MicroBatches` none when its
+    micro-batches have the same size along dim 0.
 
     Raises:
         ValueError: `MicroBatches` of different sizes without `weights` (equal weights would
             not be the whole batch's mean), or `weights` that are not one positive finite
             number per micro-batch.
     """
+    weights = getattr(batch, "weights", None) if isinstance(batch, MicroBatches) else None
+    if weights is None and rows is not None:
+        return None if len(set(rows)) <= 1 else tuple(n / sum(rows) for n in rows)
     if not isinstance(batch, MicroBatches):
         return None
-    weights = getattr(batch, "weights", None)
     if weights is None:
         sizes = [_rows([micro]) for micro in micro_batches]
         if None in sizes and len({tuple(_dim0_signature(m)) for m in micro_batches}) > 1:
@@ -726,6 +747,33 @@ def micro_weights(batch: Any, micro_batches: Sequence[Any]) -> tuple[float, ...]
             f"({len(micro_batches)}); got {list(weights)[:8]}")
     total = math.fsum(values)
     return tuple(w / total for w in values)
+
+
+def _declared_rows(rows: Callable[[Any], int], micro_batches: Sequence[Any]) -> list[int]:
+    """Each micro-batch's rows as ``rows(micro_batch)`` declares them.
+
+    Raises:
+        ValueError: `rows` raised, or gave something that is not an int >= 0, or 0 for a
+            micro-batch of a batch that has rows (a mean over none is undefined).
+    """
+    counts = []
+    for index, micro in enumerate(micro_batches):
+        where = f"rows(micro-batch {index + 1}/{len(micro_batches)})"
+        try:
+            value = rows(micro)
+        except Exception as exc:  # on this rank only, maybe: the step header reports it to all
+            raise ValueError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+        if isinstance(value, Tensor) and value.numel() == 1 and not (
+                value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{where} must be an int >= 0 (the rows loss_fn means over), "
+                             f"got {value!r}")
+        counts.append(int(value))
+    if 0 in counts and sum(counts):
+        raise ValueError(f"rows(micro-batch {counts.index(0) + 1}/{len(counts)}) is 0: its "
+                         f"loss would be a mean over no rows; give every micro-batch rows")
+    return counts
 
 
 def _real(value: Any) -> float | None:
@@ -767,6 +815,7 @@ def _run(
     loss_fn: LossFn,
     micro_batches: Sequence[Any],
     weights: tuple[float, ...] | None,
+    rows: int | None,
     buffers: dict[str, Tensor],
     prefetch: int,
     streams: SideStreams | None,
@@ -781,7 +830,7 @@ def _run(
     launched after `gate()` (which raises when the step must not communicate). `named`: the
     module's own parameters (their attributes are carried onto the bound tensors, and they
     must receive no gradient); `weights`: the micro-batches' shares of the loss (None:
-    equal)."""
+    equal); `rows`: theirs (None: they do not tell)."""
     scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
     factors = ([scale / len(micro_batches)] * len(micro_batches) if weights is None
                else [scale * weight for weight in weights])
@@ -825,7 +874,6 @@ def _run(
                     session.recover(last, peer=False)
         grads = session.finish()
         replaced, toggled = leaves.replaced(), leaves.toggled()
-        rows = _rows(micro_batches)
         if failure is None and not session.aborted:
             failure = _lost_to_the_state(state, session.written, replaced, toggled, watch)
         run = _Run(
@@ -1572,8 +1620,9 @@ def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
         )
     world = state.config.comm.world_size
     rows, shapes = stats.rows, stats.shapes
-    if (min(rows) >= 0 and len(set(rows)) == 1) or len(set(shapes)) <= 1:
-        return  # as many rows everywhere: by the rows the batches tell, or by their shapes
+    if len(set(rows)) == 1 and rows[0] >= 0 or min(rows) < 0 and len(set(shapes)) == 1:
+        return  # as many rows everywhere: by the rows the batches tell (or the step's `rows`
+        # declares), or, where a batch does not tell, by their tensors' shapes
     if min(rows) >= 0:
         raise StepError(
             f"train step {step}: ranks were given batches of different sizes (rows per rank "

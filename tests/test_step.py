@@ -845,6 +845,99 @@ def test_a_batch_without_rows_raises() -> None:
     assert fzero.SimWorld(1).run(body) == [True]
 
 
+def _images_and_boxes(boxes: Sequence[int], seed: int) -> dict[str, Any]:
+    """A detection-like batch: one row per image, and per image a list entry of its boxes."""
+    g = torch.Generator().manual_seed(seed)
+    return {"images": torch.randn(len(boxes), 3, generator=g, dtype=torch.float64),
+            "boxes": [torch.randn(n, 2, generator=g, dtype=torch.float64) for n in boxes]}
+
+
+def _per_image_loss(call: Callable[..., Tensor], batch: dict[str, Any]) -> Tensor:
+    """The mean over images of the squared distance to the mean of the image's boxes."""
+    targets = torch.stack([b.mean(0) for b in batch["boxes"]])
+    return (call(batch["images"]) - targets).pow(2).sum(1).mean()
+
+
+def _images(batch: dict[str, Any]) -> int:
+    return len(batch["images"])
+
+
+def _declared_rows_body(comm: Any, model: nn.Module, boxes: list[list[int]], stage: int,
+                        declare: bool, extra: int = 0) -> dict[str, Tensor]:
+    """One step on `boxes[rank]`, its rows declared (plus `extra` per rank) or not."""
+    state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.5), comm=comm)
+    step = fzero.make_train_step(model, _per_image_loss, rows=(
+        lambda b: _images(b) + extra * comm.rank) if declare else None)
+    state, _ = step(state, _images_and_boxes(boxes[comm.rank], seed=comm.rank))
+    return fzero.full_params(state)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_declared_rows_train_a_batch_of_per_image_boxes_like_torch(stage: int) -> None:
+    """Images (2, 3) beside per-image boxes (3, 2) and (1, 2) do not say their rows along dim 0
+    (the sizes tie; 1 is the one that is no other tensor's later dim): the step refused ranks
+    of 2 images each as of different sizes. ``rows=`` declares them: equal to torch on the
+    whole batch (float64)."""
+    model, boxes = nn.Linear(3, 2, dtype=torch.float64), [[3, 1], [2, 2]]
+    for message in every_rank_raises(2, _declared_rows_body, model, boxes, stage, False):
+        assert "rows per rank [1, 2]" in message
+    got = fzero.SimWorld(2).run(_declared_rows_body, model, boxes, stage, True)[0]
+    reference = copy.deepcopy(model)
+    batches = [_images_and_boxes(b, seed=rank) for rank, b in enumerate(boxes)]
+    sum(_per_image_loss(reference, b) for b in batches).div(2).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
+
+
+def test_declared_rows_that_differ_between_ranks_raise() -> None:
+    """Ranks of 2 and 3 images, with as many boxes in all: declared, the rows differ, and
+    every rank raises naming them. Declared rows that differ where the tensors' shapes do not
+    raise too (equal shapes stand for equal rows only where a batch does not tell)."""
+    model = nn.Linear(3, 2, dtype=torch.float64)
+    for message in every_rank_raises(2, _declared_rows_body, model, [[3, 3], [2, 2, 2]], 1,
+                                     True):
+        assert "rows per rank [2, 3]" in message
+    for message in every_rank_raises(2, _declared_rows_body, model, [[2, 2], [2, 2]], 1,
+                                     True, 1):
+        assert "rows per rank [2, 3]" in message
+
+
+def test_declared_rows_weigh_micro_batches() -> None:
+    """MicroBatches of 1 and 3 images weigh 1/4 and 3/4 by their declared rows (without
+    `weights`): the step equals torch on the 4 images at once; `weights` still decide where
+    given. Bad declarations raise, naming the micro-batch."""
+    model = nn.Linear(3, 2, dtype=torch.float64)
+    whole = _images_and_boxes([1, 4, 2, 3], seed=0)
+    parts = [{"images": whole["images"][a:b], "boxes": whole["boxes"][a:b]}
+             for a, b in ((0, 1), (1, 4))]
+
+    def body(comm: Any) -> dict[str, Tensor]:
+        state = fzero.init(model, stage=2, optimizer=fzero.optim.sgd(lr=0.5), comm=comm)
+        step = fzero.make_train_step(model, _per_image_loss, rows=_images)
+        for bad, match in ((lambda b: 1.0, r"rows\(micro-batch 1/2\) must be an int >= 0"),
+                           (lambda b: -1, r"must be an int >= 0.*, got -1"),
+                           (lambda b: b["missing"], r"rows\(micro-batch 1/2\) raised KeyError"),
+                           (lambda b: len(b["images"]) - 1, r"rows\(micro-batch 1/2\) is 0")):
+            with pytest.raises(ValueError, match=match):
+                fzero.make_train_step(model, _per_image_loss, rows=bad)(
+                    state, fzero.MicroBatches(parts))
+        assert fzero.step.micro_weights(fzero.MicroBatches(parts, weights=[1, 1]), parts,
+                                        rows=[1, 3]) == (0.5, 0.5)
+        assert fzero.step.micro_weights(parts[0], parts[:1], rows=[2]) is None
+        state, _ = step(state, fzero.MicroBatches(parts))
+        return fzero.full_params(state)
+
+    got = fzero.SimWorld(1).run(body)[0]
+    reference = copy.deepcopy(model)
+    _per_image_loss(reference, whole).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
+    with pytest.raises(TypeError, match="rows must be None or a function"):
+        fzero.make_train_step(model, _per_image_loss, rows=4)
+
+
 def _unclear_rows_body(comm: Any, model: nn.Module, lengths: list[int]) -> dict[str, Tensor]:
     state = fzero.init(model, stage=1, optimizer=fzero.optim.sgd(lr=0.5), comm=comm)
     step = fzero.make_train_step(
