@@ -70,6 +70,11 @@ class Header(NamedTuple):
     lr: int = 0  # the train step's learning rate: its float64 bits as an int (eval: 0)
     settings: int = 0  # fingerprint of the train step's other settings (eval: 0)
     state: int = 0  # the state's lineage (`fzero.state.ShardState.lineage`)
+    rows: int = -1  # the rows a train step's `rows=` declares on this rank (-1: none); the
+    # one field ranks need not share: it weighs their losses (`HeaderRound.rows`)
+
+
+_UNSHARED = frozenset({"rows"})  # `Header` fields that may differ between ranks
 
 
 def agree_header(
@@ -118,6 +123,7 @@ class HeaderRound:
         self._work = control.all_gather(self._every, mine, async_op=True,
                                         label=f"of the {what} header")
         self._error: BaseException | None = None
+        self._table: list[list[int]] = []
 
     def check(self) -> None:
         """Wait for every rank's header (once); raise if this step cannot start."""
@@ -125,11 +131,17 @@ class HeaderRound:
             work, self._work = self._work, None
             try:  # a wait that raises (a timeout) is remembered too, as a verdict is
                 work.wait()
-                self._verify(self._every.view(-1, len(self._header)).tolist())
+                self._table = self._every.view(-1, len(self._header)).tolist()
+                self._verify(self._table)
             except BaseException as exc:
                 self._error = exc
         if self._error is not None:
             raise self._error
+
+    def rows(self) -> list[int]:
+        """Every rank's `Header.rows`, once `check()` returned."""
+        self.check()
+        return [row[Header._fields.index("rows")] for row in self._table]
 
     def _verify(self, rows: list[list[int]]) -> None:
         what, header = self._what, self._header
@@ -145,6 +157,8 @@ class HeaderRound:
                 ranks=unable,
             )
         for field_index, field in enumerate(Header._fields):
+            if field in _UNSHARED:
+                continue
             values = [row[field_index] for row in rows]
             if len(set(values)) > 1:
                 by_value: dict[int, list[int]] = {}

@@ -37,6 +37,7 @@ import dataclasses
 import hashlib
 import math
 import numbers
+import operator
 import os
 import threading
 import weakref
@@ -222,13 +223,15 @@ def make_train_step(
             computed in the master dtype, is not finite: a non-finite gradient, or finite
             ones whose squares overflow it (above ~1.8e19 in float32). A skipped step with
             non-finite *parameters* raises at once.
-        rows: ``rows(micro_batch) -> int``, the rows ``loss_fn`` means over, declared: every
-            rank's count must then be equal (the step raises naming the ranks that differ), and
-            micro-batches of unequal counts weigh by them (unless `MicroBatches` gives
-            `weights`). None (default): rows are told from the tensors' sizes along dim 0 (see
-            `MicroBatches`), which a batch that is not one row per sample along dim 0 can
-            mislead or leave in doubt (per-image lists of boxes, rotary tables ``(T, D)``
-            with lengths that differ between ranks): declare rows for such batches.
+        rows: ``rows(micro_batch) -> int``, the rows ``loss_fn`` means over (its samples, or
+            its target tokens for a mean over tokens), declared: each rank's and micro-batch's
+            loss then weighs by its rows (unless `MicroBatches` gives `weights`), so that the
+            step is the mean over the global batch's rows also where ranks and micro-batches
+            hold different numbers of them (one small round before the first forward). None
+            (default): every rank must hold as many rows, told from the tensors' sizes along
+            dim 0 (see `MicroBatches`), which a batch that is not one row per sample along
+            dim 0 can mislead or leave in doubt (per-image lists of boxes, rotary tables
+            ``(T, D)`` with lengths that differ between ranks): declare rows for such batches.
 
     Returns:
         The step function. ``metrics`` holds ``loss`` (mean over ranks and micro-batches,
@@ -294,6 +297,7 @@ def make_train_step(
             "the optimizer and its hyperparameters": config.optimizer.describe(),
             "clip_norm": repr(clip_norm),
             "max_skipped": repr(max_skipped),
+            "whether rows= declares the rows": repr(rows is not None),
             "the buffers policy": repr(buffers),
             "the parameters the weight-decay rule decays": repr(decayed[fingerprint]),
             "master_dtype": str(config.master_dtype),
@@ -362,28 +366,34 @@ def make_train_step(
         nonlocal checked_writes
         comm = state.config.comm
         control = comm.channel(_CONTROL, host=True)
+        declared = rows is not None
         header = HeaderRound(control, _header(state, len(micro_batches), kind=0, lr=applied,
-                                              settings=_settings_bits(agreed)),
+                                              settings=_settings_bits(agreed),
+                                              rows=count if declared and count else -1),
                              what="train step", own=problem, parts={"settings": agreed})
-        if problem is not None or state.stage == 3:
-            header.check()  # nothing to compute, or a collective comes first (stage 3 gathers)
+        if problem is not None or state.stage == 3 or declared:
+            header.check()  # nothing to compute, or a collective comes first (stage 3 gathers),
+            # or the ranks' declared rows weigh this rank's loss
         # Otherwise the header travels during the first forward; the first reduction (or any
         # other collective) waits for it, and raises with it: see `[Note: agreement points]`.
+        share = 1.0  # this rank's loss's weight in the mean over ranks, times their number
+        if declared and count:
+            share = comm.world_size * count / sum(header.rows())
         before = _counts(comm)
         control_before = control.counters.total()
         buffers_now = {name: b.clone() for name, b in state.buffers.items()}
         side = streams if streams is not None else _streams_of(own_streams, state.config.device)
-        run = _run(state, model, binder, loss_fn, micro_batches, weights, count, buffers_now,
-                   prefetch, side, sync_buffers=buffers == "broadcast", gate=header.check,
-                   leaves=leaves,
-                   check_writes=not checked_writes, named=named)
+        run = _run(state, model, binder, loss_fn, micro_batches, weights, count, share,
+                   buffers_now, prefetch, side, sync_buffers=buffers == "broadcast",
+                   gate=header.check, leaves=leaves, check_writes=not checked_writes,
+                   named=named)
         checked_writes = checked_writes or state.stage == 3
         header.check()  # no-op when a reduction waited for it already
         grads = run.grads
         if run.failure is None and not run.aborted:
             _unscale(grads, state)
         stats = _exchange(state, run, control)
-        _raise_if_failed(state, run, stats)
+        _raise_if_failed(state, run, stats, declared=declared)
         next_step = state.step + 1
         squared_norm = stats.squared_norm
         grad_norm = math.sqrt(squared_norm) if squared_norm >= 0 else float("nan")
@@ -689,6 +699,14 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
             f"tensors out of the batch (close over them in loss_fn), or give "
             f"fzero.MicroBatches([...]) explicitly"
         )
+    listed = _listed_per_row(batch, tensors[0].shape[0])
+    if listed is not None:
+        raise ValueError(
+            f"the batch holds a list with tensors at {listed}, of as many entries as it has "
+            f"rows: where they are one per row (per-sample targets, such as an image's "
+            f"boxes), accum_steps={parts} would cut each entry's tensors along their dim 0 "
+            f"instead of the list into micro-batches of whole entries. Give "
+            f"fzero.MicroBatches([...]) explicitly")
     split = [leaf.chunk(parts) if isinstance(leaf, Tensor) else None for leaf in leaves]
     return [
         pytree.tree_unflatten(
@@ -697,6 +715,29 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
         )
         for i in range(parts)
     ]
+
+
+def _listed_per_row(batch: Any, rows: int, where: str = "", depth: int = 0) -> str | None:
+    """Where `batch` nests a list or tuple of `rows` entries that each hold a tensor (one per
+    row: splitting along dim 0 would cut inside the entries), below its top level (a batch
+    ``(ids, labels)`` of 2 rows is two tensors, not two rows); None if nowhere, 4 levels deep.
+    (Per-image boxes of 2 rows each beside 2 images were cut in half, each micro-batch
+    pairing one image with half of both images' boxes, silently: a review.)"""
+    if depth > 4:
+        return None
+    if isinstance(batch, Mapping):
+        items = [(f"{where}[{key!r}]", value) for key, value in batch.items()]
+    elif isinstance(batch, list | tuple):
+        if depth > 0 and len(batch) == rows and all(_batch_tensors(e) for e in batch):
+            return where
+        items = [(f"{where}[{index}]", value) for index, value in enumerate(batch)]
+    else:
+        return None
+    for place, value in items:
+        found = _listed_per_row(value, rows, place, depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 def micro_weights(batch: Any, micro_batches: Sequence[Any], *,
@@ -715,7 +756,11 @@ def micro_weights(batch: Any, micro_batches: Sequence[Any], *,
     """
     weights = getattr(batch, "weights", None) if isinstance(batch, MicroBatches) else None
     if weights is None and rows is not None:
-        return None if len(set(rows)) <= 1 else tuple(n / sum(rows) for n in rows)
+        counts = [_count(n, f"rows[{index}]") for index, n in enumerate(rows)]
+        if len(counts) != len(micro_batches) or not sum(counts):
+            raise ValueError(f"micro_weights: rows= needs one count per micro-batch "
+                             f"({len(micro_batches)}), not all 0; got {list(rows)[:8]}")
+        return None if len(set(counts)) == 1 else tuple(n / sum(counts) for n in counts)
     if not isinstance(batch, MicroBatches):
         return None
     if weights is None:
@@ -763,17 +808,28 @@ def _declared_rows(rows: Callable[[Any], int], micro_batches: Sequence[Any]) -> 
             value = rows(micro)
         except Exception as exc:  # on this rank only, maybe: the step header reports it to all
             raise ValueError(f"{where} raised {type(exc).__name__}: {exc}") from exc
-        if isinstance(value, Tensor) and value.numel() == 1 and not (
-                value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-            raise ValueError(f"{where} must be an int >= 0 (the rows loss_fn means over), "
-                             f"got {value!r}")
-        counts.append(int(value))
+        counts.append(_count(value, where))
     if 0 in counts and sum(counts):
         raise ValueError(f"rows(micro-batch {counts.index(0) + 1}/{len(counts)}) is 0: its "
                          f"loss would be a mean over no rows; give every micro-batch rows")
     return counts
+
+
+def _count(value: Any, what: str) -> int:
+    """`value` as an int >= 0: an int, a numpy integer, or an integer tensor of one element.
+
+    Raises:
+        ValueError: anything else (a bool, a float, a negative count), naming `what`.
+    """
+    count = None
+    if not isinstance(value, bool) and not (isinstance(value, Tensor) and (
+            value.dtype == torch.bool or value.is_meta)):
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):
+            count = operator.index(value)
+    if count is None or count < 0:
+        raise ValueError(f"{what} must be an int >= 0 (the rows loss_fn means over), got "
+                         f"{value!r}")
+    return count
 
 
 def _real(value: Any) -> float | None:
@@ -796,6 +852,7 @@ class _Run:
 
     losses: list[Tensor]
     weights: tuple[float, ...] | None  # the losses' shares (None: equal)
+    share: float  # this rank's loss's weight in the mean over ranks, times their number
     grads: list[Tensor]  # per trainable bucket, reduced (stage 0: full; else this rank's shard)
     used: list[bool]  # per trainable entry, whether this rank's backward reached it
     rows: int  # of this rank's micro-batches, or -1 where they cannot tell (`_rows`)
@@ -816,6 +873,7 @@ def _run(
     micro_batches: Sequence[Any],
     weights: tuple[float, ...] | None,
     rows: int | None,
+    share: float,
     buffers: dict[str, Tensor],
     prefetch: int,
     streams: SideStreams | None,
@@ -830,8 +888,9 @@ def _run(
     launched after `gate()` (which raises when the step must not communicate). `named`: the
     module's own parameters (their attributes are carried onto the bound tensors, and they
     must receive no gradient); `weights`: the micro-batches' shares of the loss (None:
-    equal); `rows`: theirs (None: they do not tell)."""
-    scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
+    equal); `rows`: theirs (None: they do not tell); `share`: this rank's loss's weight in the
+    mean over ranks, times their number (1: the ranks weigh the same)."""
+    scale = share * (state.loss_scale.scale if state.loss_scale is not None else 1.0)
     factors = ([scale / len(micro_batches)] * len(micro_batches) if weights is None
                else [scale * weight for weight in weights])
     session_of = (_sharded(state, model, prefetch, streams, train=True,
@@ -879,6 +938,7 @@ def _run(
         run = _Run(
             losses=losses,
             weights=weights,
+            share=share,
             grads=grads,
             used=[flag for flags, bucket in zip(session.completion.used, state.layout.buckets,
                                                 strict=True) if bucket.trainable for flag in flags],
@@ -1514,22 +1574,24 @@ def _settings_bits(parts: Mapping[str, str]) -> int:
 
 def _header(
     state: ShardState, micro_batches: int, *, kind: int, lr: float | None = None,
-    settings: int = 0,
+    settings: int = 0, rows: int = -1,
 ) -> Header:
-    """This rank's header (`lr`, `settings`: a train step's learning rate and settings)."""
+    """This rank's header (`lr`, `settings`, `rows`: a train step's learning rate, settings and
+    declared rows)."""
     fingerprint = int(state.layout.fingerprint, 16) >> 4  # 60 bits: fits an int64
     buffers = int(buffers_fingerprint(state.buffers), 16) >> 4
     return Header(fingerprint, state.stage, state.step, micro_batches, kind, buffers,
-                  float_bits(lr) if lr is not None else 0, settings, state.lineage)
+                  float_bits(lr) if lr is not None else 0, settings, state.lineage, rows)
 
 
 def _mean_loss(run: _Run) -> Tensor:
-    """This rank's loss: the mean of its micro-batches' losses, weighted by their shares."""
+    """This rank's loss: the mean of its micro-batches' losses, weighted by their shares, times
+    the rank's share (so that the ranks' sum over their number is the mean over the rows)."""
     losses = torch.stack(run.losses).double()
     if run.weights is None:
-        return losses.mean()
+        return losses.mean() * run.share
     shares = run.weights[:len(run.losses)]  # (fewer losses only when the step fails anyway)
-    return losses @ torch.tensor(shares, dtype=torch.float64, device=losses.device)
+    return losses @ torch.tensor(shares, dtype=torch.float64, device=losses.device) * run.share
 
 
 def _exchange(state: ShardState, run: _Run, control: Comm) -> Any:
@@ -1578,8 +1640,9 @@ def _no_path(state: ShardState, counts: Sequence[int] | None) -> ValueError | No
         f"`call`, and does it run under torch.no_grad?)")
 
 
-def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
-    """Raise on every rank, before any update, if the step cannot be applied."""
+def _raise_if_failed(state: ShardState, run: _Run, stats: Any, *, declared: bool) -> None:
+    """Raise on every rank, before any update, if the step cannot be applied (`declared`: the
+    step's ``rows=`` declared the ranks' rows, which weighed their losses: they may differ)."""
     step = state.step + 1
     if stats.failed:
         if run.failure is not None:
@@ -1620,14 +1683,17 @@ def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
         )
     world = state.config.comm.world_size
     rows, shapes = stats.rows, stats.shapes
-    if len(set(rows)) == 1 and rows[0] >= 0 or min(rows) < 0 and len(set(shapes)) == 1:
-        return  # as many rows everywhere: by the rows the batches tell (or the step's `rows`
-        # declares), or, where a batch does not tell, by their tensors' shapes
+    if declared or len(set(rows)) == 1 and rows[0] >= 0 or len(set(shapes)) == 1:
+        return  # weighed by their declared rows, or as many rows everywhere: by the rows the
+        # batches tell, or by their tensors' dim-0 sizes place by place (where the rows'
+        # count differs then, ties were broken by lengths that differ between ranks: a review)
     if min(rows) >= 0:
         raise StepError(
             f"train step {step}: ranks were given batches of different sizes (rows per rank "
             f"{list(rows)}): give every rank the same number of rows, so that averaging "
-            f"gradients over the {world} ranks equals the global batch's mean",
+            f"gradients over the {world} ranks equals the global batch's mean, or declare "
+            f"them (make_train_step(..., rows=lambda batch: ...)) to weigh each rank by its "
+            f"rows",
             step=step, ranks=[r for r, n in enumerate(rows) if n != rows[0]],
         )
     unclear = [r for r, n in enumerate(rows) if n < 0]
@@ -1640,7 +1706,8 @@ def _raise_if_failed(state: ShardState, run: _Run, stats: Any) -> None:
         f"gradients over the {world} ranks needs to equal the global batch's mean. Give every "
         f"rank as many rows; where they have, keep the tensors that are not one per row out of "
         f"the batch (close over them in loss_fn), or give them a leading dim of 1 "
-        f"(positions[None]) where their length differs between ranks",
+        f"(positions[None]) where their length differs between ranks; or declare the rows "
+        f"(make_train_step(..., rows=lambda batch: ...))",
         step=step, ranks=unclear,
     )
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -890,17 +891,163 @@ def test_declared_rows_train_a_batch_of_per_image_boxes_like_torch(stage: int) -
         torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
 
 
-def test_declared_rows_that_differ_between_ranks_raise() -> None:
-    """Ranks of 2 and 3 images, with as many boxes in all: declared, the rows differ, and
-    every rank raises naming them. Declared rows that differ where the tensors' shapes do not
-    raise too (equal shapes stand for equal rows only where a batch does not tell)."""
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_declared_rows_weigh_ranks_that_differ(stage: int) -> None:
+    """Ranks of 2, 3 and 1 images (as many boxes on the first two): each rank's loss weighs by
+    its declared rows, so the step is torch's on the 6 images at once, and the loss reported
+    their mean (float64). Undeclared, ranks of different rows raise, naming ``rows=``."""
+    model, boxes = nn.Linear(3, 2, dtype=torch.float64), [[3, 3], [2, 2, 2], [5]]
+    for message in every_rank_raises(2, _declared_rows_body, model, boxes[:2], 1, False):
+        assert "do not tell their rows" in message and "rows=lambda batch" in message
+
+    def body(comm: Any, model: nn.Module) -> tuple[dict[str, Tensor], float]:
+        state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.5), comm=comm)
+        step = fzero.make_train_step(model, _per_image_loss, rows=_images)
+        state, metrics = step(state, _images_and_boxes(boxes[comm.rank], seed=comm.rank))
+        return fzero.full_params(state), metrics["loss"]
+
+    (got, loss), *_ = fzero.SimWorld(3).run(body, model)
+    reference = copy.deepcopy(model)
+    batches = [_images_and_boxes(b, seed=rank) for rank, b in enumerate(boxes)]
+    whole = {"images": torch.cat([b["images"] for b in batches]),
+             "boxes": [box for b in batches for box in b["boxes"]]}
+    expected = _per_image_loss(reference, whole)
+    expected.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert loss == pytest.approx(expected.item(), rel=1e-14)
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
+
+
+def test_a_list_of_one_entry_per_row_is_not_cut_into_micro_batches() -> None:
+    """Images (2, 3) beside per-image boxes [(2, 2), (2, 2)]: every dim 0 is 2, and
+    accum_steps=2 cut each image's boxes in half, pairing each image with half of both
+    images' boxes, silently (a review). A nested list of as many entries with tensors as the
+    batch has rows is refused; MicroBatches of whole entries train like torch."""
     model = nn.Linear(3, 2, dtype=torch.float64)
-    for message in every_rank_raises(2, _declared_rows_body, model, [[3, 3], [2, 2, 2]], 1,
-                                     True):
-        assert "rows per rank [2, 3]" in message
-    for message in every_rank_raises(2, _declared_rows_body, model, [[2, 2], [2, 2]], 1,
-                                     True, 1):
-        assert "rows per rank [2, 3]" in message
+    batch = _images_and_boxes([2, 2], seed=0)
+
+    def body(comm: Any, model: nn.Module) -> dict[str, Tensor]:
+        state = fzero.init(model, stage=1, optimizer=fzero.optim.sgd(lr=0.5), comm=comm)
+        for rows in (None, _images):
+            with pytest.raises(ValueError, match=r"a list with tensors at \['boxes'\]"):
+                fzero.make_train_step(model, _per_image_loss, accum_steps=2, rows=rows)(
+                    state, batch)
+        parts = fzero.MicroBatches([{"images": batch["images"][i:i + 1],
+                                     "boxes": batch["boxes"][i:i + 1]} for i in range(2)])
+        state, _ = fzero.make_train_step(model, _per_image_loss)(state, parts)
+        return fzero.full_params(state)
+
+    got = fzero.SimWorld(1).run(body, model)[0]
+    reference = copy.deepcopy(model)
+    _per_image_loss(reference, batch).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
+    ids = torch.zeros(2, 4)
+    assert fzero.step.split_batch((ids, ids), 2)[0][0].shape == (1, 4)  # (the top level: rows)
+
+
+def _queries_and_passages(query_length: int, passage_length: int, seed: int
+                          ) -> dict[str, Tensor]:
+    """2 queries and their 4 passages, each padded to its rank's own length."""
+    g = torch.Generator().manual_seed(seed)
+    return {"q": torch.randn(2, query_length, generator=g, dtype=torch.float64),
+            "p": torch.randn(4, passage_length, generator=g, dtype=torch.float64)}
+
+
+def _query_loss(call: Callable[..., Tensor], batch: dict[str, Tensor]) -> Tensor:
+    target = batch["p"].mean(1).view(2, 2).mean(1, keepdim=True)
+    return (call(batch["q"].mean(1, keepdim=True)) - target).pow(2).mean()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ranks_whose_row_counts_differ_by_their_lengths_alone_train(stage: int) -> None:
+    """Queries (2, 4) beside passages (4, 3) count 2 rows (4 is a length), queries (2, 3)
+    beside passages (4, 2) count 4 (2 is): their tensors have the same sizes along dim 0
+    place by place, so as many rows, and they train like torch. A first version of ``rows=``
+    refused them (a review)."""
+    model, lengths = nn.Linear(1, 1, dtype=torch.float64), [(4, 3), (3, 2)]
+    assert [fzero.step._rows([_queries_and_passages(*n, seed=0)]) for n in lengths] == [2, 4]
+
+    def body(comm: Any, model: nn.Module) -> dict[str, Tensor]:
+        state = fzero.init(model, stage=stage, optimizer=fzero.optim.sgd(lr=0.5), comm=comm)
+        step = fzero.make_train_step(model, _query_loss)
+        state, _ = step(state, _queries_and_passages(*lengths[comm.rank], seed=comm.rank))
+        return fzero.full_params(state)
+
+    got = fzero.SimWorld(2).run(body, model)[0]
+    reference = copy.deepcopy(model)
+    batches = [_queries_and_passages(*n, seed=rank) for rank, n in enumerate(lengths)]
+    sum(_query_loss(reference, b) for b in batches).div(2).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
+
+
+class _TokenModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8, dtype=torch.float64)
+        self.head = nn.Linear(8, 11, dtype=torch.float64)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+def _token_mean(call: Callable[..., Tensor], batch: dict[str, Tensor]) -> Tensor:
+    """Cross-entropy over the target tokens (labels -100 are padding), as Hugging Face's."""
+    logits = call(batch["ids"])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                       ignore_index=-100)
+
+
+def _tokens(batch: dict[str, Tensor]) -> Tensor:
+    return (batch["labels"] != -100).sum()
+
+
+def _padded_tokens(rows: int, length: int, targets: Sequence[int], seed: int
+                   ) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 11, (rows, length), generator=g)
+    labels = torch.randint(0, 11, (rows, length), generator=g)
+    for row, n in enumerate(targets):
+        labels[row, n:] = -100
+    return {"ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize(("stage", "accum"), [(1, 1), (2, 2), (3, 2)])
+def test_declared_target_tokens_make_a_token_mean_exact_across_ranks(stage: int,
+                                                                     accum: int) -> None:
+    """A token mean over padded sequences: ranks (and micro-batches) hold different numbers of
+    target tokens, so the mean of their means is not the global token mean (DDP's answer);
+    declared as rows, the target tokens weigh each rank and micro-batch, and the step equals
+    torch's on the global batch's tokens (float64), with AdamW over two steps."""
+    targets = [[[5, 1, 3, 6], [2, 2, 6, 6]], [[6, 6, 6, 6], [1, 1, 1, 4]]]  # per step, rank
+
+    model = _TokenModel()
+
+    def body(comm: Any, model: nn.Module) -> dict[str, Tensor]:
+        state = fzero.init(model, stage=stage, comm=comm,
+                           optimizer=fzero.optim.adamw(lr=0.01, weight_decay=0.1))
+        step = fzero.make_train_step(model, _token_mean, rows=_tokens, accum_steps=accum)
+        for index in range(2):
+            state, _ = step(state, _padded_tokens(4, 6, targets[index][comm.rank],
+                                                  seed=10 * index + comm.rank))
+        return fzero.full_params(state)
+
+    got = fzero.SimWorld(2).run(body, model)[0]
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)
+    for index in range(2):
+        parts = [_padded_tokens(4, 6, targets[index][rank], seed=10 * index + rank)
+                 for rank in range(2)]
+        whole = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        optimizer.zero_grad()
+        _token_mean(reference, whole).backward()
+        optimizer.step()
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
 
 
 def test_declared_rows_weigh_micro_batches() -> None:
@@ -936,6 +1083,15 @@ def test_declared_rows_weigh_micro_batches() -> None:
         torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
     with pytest.raises(TypeError, match="rows must be None or a function"):
         fzero.make_train_step(model, _per_image_loss, rows=4)
+    count = fzero.step._count  # a review: numpy's 0-d arrays, meta tensors
+    assert [count(n, "n") for n in (3, np.int64(3), np.array(3), torch.tensor([3]))] == [3] * 4
+    for bad in (True, 3.0, np.float64(3), torch.tensor(3.0), torch.tensor([1, 2]),
+                torch.empty((), dtype=torch.long, device="meta")):
+        with pytest.raises(ValueError, match="n must be an int >= 0"):
+            count(bad, "n")
+    for rows in ([1, -1], [0, 0], [1]):
+        with pytest.raises(ValueError, match="rows"):
+            fzero.step.micro_weights(parts[0], parts, rows=rows)
 
 
 def _unclear_rows_body(comm: Any, model: nn.Module, lengths: list[int]) -> dict[str, Tensor]:
