@@ -245,7 +245,9 @@ def exchange_statistics(
     Args:
         control: the control channel.
         squared_norm: this rank's share of the global squared gradient norm.
-        loss_sum: the sum of this rank's micro-batch losses divided by their number.
+        loss_sum: this rank's loss: the mean of its micro-batches' losses (weighted by their
+            shares), times its share of the mean over ranks times their number (1 unless a
+            train step's ``rows=`` weighs the ranks by their rows).
         rows: rows of this rank's batch (-1: it cannot tell).
         shapes: a digest (below 2**50) of its batch's tensors' places and dim-0 sizes.
         failed: this rank's error text if its computation raised, else None.

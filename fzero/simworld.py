@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import itertools
 import threading
 import time
@@ -528,20 +529,35 @@ class SimWorld:
             threading.Thread(target=rank_main, args=(r,), name=f"simworld-rank{r}", daemon=True)
             for r in range(n)
         ]
-        for t in threads:
-            t.start()
+        # [Note: no garbage collection while ranks run] torch's get_rng_state (which
+        # torch.utils.checkpoint calls per region) holds the generator's mutex while it wraps
+        # the state in a tensor; an automatic collection there may free an autograd graph,
+        # whose destructor lets go of the GIL: another rank thread takes it and waits for that
+        # mutex, and neither moves again (two ranks recomputing checkpointed regions hung in
+        # a test run). No automatic collection, no such wait: unreachable cycles wait for the
+        # end of the run (explicit gc.collect() calls still work).
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            with world.cond:
-                while len(world.finished) < n and world.failed_rank is None:
-                    world.cond.wait()
-        except BaseException:  # KeyboardInterrupt: stop the ranks, then let it through
-            world.interrupt()
-            _stop_briefly(threads)
-            raise
-        # After a failure, collectives abort at once; a rank busy outside the comm gets a grace.
-        grace = time.monotonic() + self.timeout
-        for t in threads:
-            t.join(max(0.0, grace - time.monotonic()) if world.failed_rank is not None else None)
+            for t in threads:
+                t.start()
+            try:
+                with world.cond:
+                    while len(world.finished) < n and world.failed_rank is None:
+                        world.cond.wait()
+            except BaseException:  # KeyboardInterrupt: stop the ranks, then let it through
+                world.interrupt()
+                _stop_briefly(threads)
+                raise
+            # After a failure, collectives abort at once; a rank busy outside the comm gets a
+            # grace.
+            grace = time.monotonic() + self.timeout
+            for t in threads:
+                t.join(max(0.0, grace - time.monotonic()) if world.failed_rank is not None
+                       else None)
+        finally:
+            if collecting:
+                gc.enable()
         failed = [r for r in range(n) if errors[r] is not None]
         if not failed:
             return results

@@ -116,6 +116,7 @@ transport that stages a chunk until its peers have read it (shared memory) then 
 buckets' chunks, not all Ψ/N; over TCP the window costs nothing measurable (see the README's
 performance notes)."""
 _CONTROL = "control"
+_MOST_ROWS = 2**53  # declared rows travel in the int64 step header and float64 statistics
 _GATHER = "stage3.gather"
 
 
@@ -235,7 +236,7 @@ def make_train_step(
 
     Returns:
         The step function. ``metrics`` holds ``loss`` (mean over ranks and micro-batches,
-        these weighted by `MicroBatches` weights), ``grad_norm`` (before clipping),
+        weighted by `MicroBatches` weights or by declared `rows`), ``grad_norm`` (before clipping),
         ``skipped`` (a non-finite gradient norm: no update),
         ``nonfinite_ranks`` (ranks whose loss was not finite), ``lr``, ``step``, ``comm_bytes``
         (this rank's bytes sent for parameters and gradients, ring accounting, charged when a
@@ -330,15 +331,15 @@ def make_train_step(
                     raise ValueError("step: the state has no trainable parameter (every "
                                      "parameter is frozen): there is nothing to train; use "
                                      "make_eval_step")
-                micro_batches = split_batch(batch, accum_steps)
+                micro_batches = split_batch(batch, accum_steps, declared=rows is not None)
                 declared = None if rows is None else _declared_rows(rows, micro_batches)
-                weights = micro_weights(batch, micro_batches, rows=declared)
                 count = _rows(micro_batches) if declared is None else sum(declared)
                 if count == 0:  # (also where every tensor's dim 0 is 0)
                     raise ValueError("step: the batch has no rows (dim 0 of its tensors is "
                                      "0, of most of them or of those that are not lengths; "
                                      "or rows(batch) said 0): a mean over no rows is "
                                      "undefined")
+                weights = micro_weights(batch, micro_batches, rows=declared)
                 # The step's (global, 1-based) number decides the rate, also for a parameter
                 # whose own update count lags (unused in earlier steps): that count is only
                 # for its moments' bias correction.
@@ -649,13 +650,16 @@ def _agree_on_full_params(state: ShardState, master: bool) -> None:
         raise own
 
 
-def split_batch(batch: Any, parts: int) -> list[Any]:
+def split_batch(batch: Any, parts: int, *, declared: bool = False) -> list[Any]:
     """Split a batch into `parts` micro-batches along dim 0 of every tensor in it.
 
     A `MicroBatches` list is taken as given: any length where `parts` is 1, else exactly
     `parts`. Otherwise the batch (any pytree: tuple, list, dict, ...) is split: every tensor
     along dim 0 into `parts` equal parts; other leaves are shared. A container's length is
-    never taken to mean micro-batches.
+    never taken to mean micro-batches, nor is a list nested in it whose entries are records
+    (dicts, lists, tuples) with tensors, as many as the batch's rows (per-sample targets):
+    that raises, also for entries that are bare tensors where the rows are `declared` (a
+    step's ``rows=``: the batch is not one row per sample along dim 0).
 
     Raises:
         ValueError: a tensor's dim 0 does not divide into `parts`, the tensors' dim 0 sizes
@@ -699,13 +703,14 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
             f"tensors out of the batch (close over them in loss_fn), or give "
             f"fzero.MicroBatches([...]) explicitly"
         )
-    listed = _listed_per_row(batch, tensors[0].shape[0])
+    listed = _listed(batch, tensors[0].shape[0], records=not declared)
     if listed is not None:
         raise ValueError(
             f"the batch holds a list with tensors at {listed}, of as many entries as it has "
             f"rows: where they are one per row (per-sample targets, such as an image's "
             f"boxes), accum_steps={parts} would cut each entry's tensors along their dim 0 "
-            f"instead of the list into micro-batches of whole entries. Give "
+            f"instead of the list into micro-batches of whole entries (where they are batched "
+            f"inputs whose number merely equals the rows, the step cannot tell). Give "
             f"fzero.MicroBatches([...]) explicitly")
     split = [leaf.chunk(parts) if isinstance(leaf, Tensor) else None for leaf in leaves]
     return [
@@ -717,24 +722,33 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     ]
 
 
-def _listed_per_row(batch: Any, rows: int, where: str = "", depth: int = 0) -> str | None:
-    """Where `batch` nests a list or tuple of `rows` entries that each hold a tensor (one per
-    row: splitting along dim 0 would cut inside the entries), below its top level (a batch
-    ``(ids, labels)`` of 2 rows is two tensors, not two rows); None if nowhere, 4 levels deep.
-    (Per-image boxes of 2 rows each beside 2 images were cut in half, each micro-batch
-    pairing one image with half of both images' boxes, silently: a review.)"""
+def _listed(batch: Any, rows: int | None, where: str = "", depth: int = 0, *,
+            records: bool = False) -> str | None:
+    """Where `batch` nests a list or tuple of entries that each hold a tensor, `rows` of them
+    (None: any number), below its top level (a batch ``(ids, labels)`` is two tensors, not
+    two rows); None if nowhere, 4 levels deep. Its entries may be one per row (per-image
+    boxes): then splitting along dim 0 cuts inside them, and the tensors' sizes along dim 0
+    do not tell the rows. (Per-image boxes of 2 rows each beside 2 images were cut in half by
+    `split_batch`, each micro-batch pairing one image with half of both images' boxes; ranks
+    of 2 and 3 images, with one box each, counted the boxes' dim 0 as 1 row: silently, a
+    review and a probe.) With `records`, only entries that are records count (mappings,
+    lists, tuples: per-sample target dicts): bare tensors as many as the rows are as likely
+    batched inputs, ``((ids, mask), labels)`` of 2 rows (refused when they counted: a
+    review)."""
     if depth > 4:
         return None
     if isinstance(batch, Mapping):
         items = [(f"{where}[{key!r}]", value) for key, value in batch.items()]
     elif isinstance(batch, list | tuple):
-        if depth > 0 and len(batch) == rows and all(_batch_tensors(e) for e in batch):
+        if depth > 0 and batch and (rows is None or len(batch) == rows) and all(
+                _batch_tensors(entry) and (not records or isinstance(entry, Mapping | list | tuple))
+                for entry in batch):
             return where
         items = [(f"{where}[{index}]", value) for index, value in enumerate(batch)]
     else:
         return None
     for place, value in items:
-        found = _listed_per_row(value, rows, place, depth + 1)
+        found = _listed(value, rows, place, depth + 1, records=records)
         if found is not None:
             return found
     return None
@@ -812,6 +826,10 @@ def _declared_rows(rows: Callable[[Any], int], micro_batches: Sequence[Any]) -> 
     if 0 in counts and sum(counts):
         raise ValueError(f"rows(micro-batch {counts.index(0) + 1}/{len(counts)}) is 0: its "
                          f"loss would be a mean over no rows; give every micro-batch rows")
+    if sum(counts) > _MOST_ROWS:  # (a rank that raised building the header left the others
+        # waiting in its all-gather: this raises before, and every rank learns it there)
+        raise ValueError(f"rows(...) declared {sum(counts)} rows in all ({counts[:8]}): more "
+                         f"than {_MOST_ROWS} cannot be exchanged exactly")
     return counts
 
 
@@ -2169,7 +2187,10 @@ def _rows(micro_batches: Sequence[Any]) -> int | None:
 
 
 def _micro_rows(micro: Any) -> int | None:
-    """A micro-batch's rows, or None where its tensors do not tell (`_rows_of`)."""
+    """A micro-batch's rows, or None where its tensors do not tell (`_rows_of`), or where it
+    nests a list of entries with tensors, which may be one per row (`_listed`)."""
+    if _listed(micro, None) is not None:
+        return None
     return _rows_of([t for t in _batch_tensors(micro) if t.dim()])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import socket
@@ -1243,3 +1244,30 @@ def test_opening_a_channel_that_times_out_raises_collective_timeout() -> None:
     for message in SimWorld(2).run(_open_a_channel_that_times_out):
         assert message is not None and "opening channel 'control@host' during train step 1" in (
             message) and "Wait timeout" in message
+
+
+def test_simworld_ranks_run_without_automatic_garbage_collection() -> None:
+    """Two ranks recomputing checkpointed regions hung in a test run: torch's get_rng_state
+    held the generator's mutex while an automatic collection freed an autograd graph, whose
+    destructor let go of the GIL, which the other rank took to wait for that mutex. Ranks run
+    with automatic collection off (explicit `gc.collect()` still works), restored after the
+    run, also after a rank raised."""
+    def body(comm: Any) -> tuple[bool, int]:
+        return gc.isenabled(), gc.collect() >= 0
+
+    assert gc.isenabled()
+    assert SimWorld(2).run(body) == [(False, True)] * 2
+    assert gc.isenabled()
+
+    def failing(comm: Any) -> None:
+        raise RuntimeError("rank failed")
+
+    with pytest.raises(SimWorldError):
+        SimWorld(2).run(failing)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        SimWorld(1).run(body)
+        assert not gc.isenabled()  # (left as it was)
+    finally:
+        gc.enable()

@@ -876,12 +876,15 @@ def _declared_rows_body(comm: Any, model: nn.Module, boxes: list[list[int]], sta
 @pytest.mark.parametrize("stage", [1, 3])
 def test_declared_rows_train_a_batch_of_per_image_boxes_like_torch(stage: int) -> None:
     """Images (2, 3) beside per-image boxes (3, 2) and (1, 2) do not say their rows along dim 0
-    (the sizes tie; 1 is the one that is no other tensor's later dim): the step refused ranks
-    of 2 images each as of different sizes. ``rows=`` declares them: equal to torch on the
-    whole batch (float64)."""
+    (the step counted 1 row, the one size no other tensor's later dim, and refused ranks of 2
+    images each as of different sizes; ranks of 2 and 3 images with one box each counted 1
+    row on both and trained silently: a probe). A nested list of entries with tensors leaves
+    the rows in doubt: ranks whose tensors' sizes differ raise. ``rows=`` declares them:
+    equal to torch on the whole batch (float64)."""
     model, boxes = nn.Linear(3, 2, dtype=torch.float64), [[3, 1], [2, 2]]
-    for message in every_rank_raises(2, _declared_rows_body, model, boxes, stage, False):
-        assert "rows per rank [1, 2]" in message
+    for given in (boxes, [[1, 1], [1, 1, 1]]):
+        for message in every_rank_raises(2, _declared_rows_body, model, given, stage, False):
+            assert "do not tell their rows" in message and "rows=lambda batch" in message
     got = fzero.SimWorld(2).run(_declared_rows_body, model, boxes, stage, True)[0]
     reference = copy.deepcopy(model)
     batches = [_images_and_boxes(b, seed=rank) for rank, b in enumerate(boxes)]
@@ -929,10 +932,11 @@ def test_a_list_of_one_entry_per_row_is_not_cut_into_micro_batches() -> None:
 
     def body(comm: Any, model: nn.Module) -> dict[str, Tensor]:
         state = fzero.init(model, stage=1, optimizer=fzero.optim.sgd(lr=0.5), comm=comm)
-        for rows in (None, _images):
+        records = {"images": batch["images"], "boxes": [{"boxes": b} for b in batch["boxes"]]}
+        for rows, given in ((_images, batch), (None, records), (_images, records)):
             with pytest.raises(ValueError, match=r"a list with tensors at \['boxes'\]"):
                 fzero.make_train_step(model, _per_image_loss, accum_steps=2, rows=rows)(
-                    state, batch)
+                    state, given)
         parts = fzero.MicroBatches([{"images": batch["images"][i:i + 1],
                                      "boxes": batch["boxes"][i:i + 1]} for i in range(2)])
         state, _ = fzero.make_train_step(model, _per_image_loss)(state, parts)
@@ -946,6 +950,27 @@ def test_a_list_of_one_entry_per_row_is_not_cut_into_micro_batches() -> None:
         torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=1e-12)
     ids = torch.zeros(2, 4)
     assert fzero.step.split_batch((ids, ids), 2)[0][0].shape == (1, 4)  # (the top level: rows)
+    # Bare tensors as many as the rows are as likely batched inputs, ((ids, mask), labels) of
+    # 2 rows (refused, a review): they split along dim 0, unless the rows are declared.
+    for inputs in (((ids, ids), ids[:, 0]), {"inputs": [ids, ids], "y": ids}):
+        assert [len(p) for p in fzero.step.split_batch(inputs, 2)] == [2, 2]
+        with pytest.raises(ValueError, match="a list with tensors at"):
+            fzero.step.split_batch(inputs, 2, declared=True)
+
+
+def test_declared_rows_beyond_what_the_header_holds_raise_on_every_rank() -> None:
+    """rows() of 2**63 on one rank: the int64 header could not hold it, and that rank raised
+    before joining the header's all-gather, leaving the others waiting (a review)."""
+    model = nn.Linear(3, 2, dtype=torch.float64)
+
+    def body(comm: Any, model: nn.Module) -> None:
+        state = fzero.init(model, stage=1, optimizer=fzero.optim.sgd(lr=0.1), comm=comm)
+        step = fzero.make_train_step(model, _per_image_loss, rows=lambda b: (
+            len(b["images"]) if comm.rank == 0 else 2**63))
+        step(state, _images_and_boxes([1, 1], seed=comm.rank))
+
+    for message in every_rank_raises(2, body, model):
+        assert "could not start" in message or f"more than {2**53}" in message
 
 
 def _queries_and_passages(query_length: int, passage_length: int, seed: int
