@@ -522,6 +522,19 @@ def buffer_aliases(model: nn.Module | Mapping[str, Tensor]) -> tuple[tuple[str, 
     return tuple(pairs)
 
 
+def non_persistent_buffers(model: nn.Module | Mapping[str, Tensor]) -> tuple[str, ...] | None:
+    """The names (as ``named_buffers()`` gives them) of `model`'s buffers registered with
+    ``persistent=False``, which ``state_dict()`` leaves out; None for a mapping of tensors
+    (no module: unknown)."""
+    if not isinstance(model, nn.Module):
+        return None
+    return tuple(sorted(
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        for name in module._non_persistent_buffers_set
+        if module._buffers.get(name) is not None))
+
+
 def check_buffers(
     model: nn.Module, buffers: Mapping[str, Tensor], aliases: Sequence[tuple[str, str]] = (),
 ) -> None:

@@ -39,6 +39,7 @@ from fzero.bound import (
     buffers_fingerprint,
     check_shared_memory,
     module_versions,
+    non_persistent_buffers,
     requires_grad_flags,
     same_values,
 )
@@ -138,6 +139,10 @@ class ShardConfig:
     # ``(alias, name)`` for each buffer the module registered under several names
     # (`fzero.bound.buffer_aliases`): a step binds the alias to the state's buffer `name`.
     buffer_aliases: tuple[tuple[str, str], ...] = ()
+    # The module's buffers registered with ``persistent=False`` (None: built from a mapping of
+    # tensors, unknown). A checkpoint records them, so that a load can tell a buffer saved
+    # persistent (its value is data) from one the loading module derives itself.
+    non_persistent: tuple[str, ...] | None = None
 
 
 class Lease:
@@ -227,20 +232,26 @@ class ShardState:
         return self.config.comm.rank
 
 
+def _own_part(state: ShardState, index: int) -> Tensor:
+    """This rank's part of bucket `index`'s parameters (stage 3 holds only that part)."""
+    params = state.params[index]
+    return params if state.stage == 3 else shard_view(params, state.layout.buckets[index],
+                                                      state.rank)
+
+
 def _apart_from_master(state: ShardState, skip: Collection[int] = ()) -> list[int]:
-    """Stages 0-2: the trainable buckets (but `skip`) whose parameters differ, in this rank's
-    part, from their master copy cast to the parameters' dtype (those with a separate master
-    copy only). A read of the rank's part of each such bucket, one device-to-host copy for all
-    of them."""
-    if state.stage == 3:
-        return []
+    """The trainable buckets (but `skip`) whose parameters differ, in this rank's part, from
+    their master copy cast to the parameters' dtype (those with a separate master copy only).
+    A read of the rank's part of each such bucket, one device-to-host copy for all of them.
+    (Stage 3 too: an EMA's lerp_ over its bfloat16 shards left them apart from the master's
+    EMA, and eval steps and saves used them silently where stages 0-2 refuse.)"""
     differs: list[tuple[int, Tensor]] = []
     for index, bucket in enumerate(state.layout.buckets):
         master, params = state.master[index], state.params[index]
         if index in skip or master is None or (master.untyped_storage().data_ptr()
                                                == params.untyped_storage().data_ptr()):
             continue  # skipped, no master, or the parameters are the master copy
-        mine = shard_view(params, bucket, state.rank)
+        mine = _own_part(state, index)
         kept = shard_view(master, bucket, state.rank) if state.stage == 0 else master
         differs.append((index, torch.ne(bits(mine), bits(kept.to(mine.dtype))).any()))
     if not differs:
@@ -253,8 +264,7 @@ def _own_checksums(state: ShardState, indices: Sequence[int]) -> list[int]:
     """`fzero.flat.checksum` of this rank's part of the parameters of buckets `indices`."""
     if not indices:
         return []
-    sums = [checksum(shard_view(state.params[i], state.layout.buckets[i], state.rank))
-            for i in indices]
+    sums = [checksum(_own_part(state, i)) for i in indices]
     return torch.stack(sums).tolist()
 
 
@@ -267,7 +277,7 @@ def with_uncast(state: ShardState) -> ShardState:
 
 
 def lost_writes(state: ShardState) -> list[int]:
-    """Stages 0-2: the trainable buckets whose parameters were written, in this rank's part,
+    """The trainable buckets whose parameters were written, in this rank's part,
     where the next update would drop the write: those with a separate master copy, which the
     update casts the parameters from. A write through ``.data`` shows in no version counter,
     so the parameters are compared with their master's cast (which they are after every
@@ -830,7 +840,7 @@ def init(
              else [])
     config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device,
                          requires_grad_flags(model), module_versions(model, taken_into=taken),
-                         buffer_aliases(model))
+                         buffer_aliases(model), non_persistent_buffers(model))
     float16 = any(b.trainable and b.torch_dtype == torch.float16 for b in layout.buckets)
     loss_scale = LossScale() if float16 else None  # however the model got to float16
     return with_uncast(ShardState(

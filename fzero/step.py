@@ -486,6 +486,10 @@ def make_eval_step(
                 check_tensors(state, "evaluate")
                 release = claim(model, "evaluate")
                 named = _check_model(model, state)
+                if state.stage == 3:  # (stages 0-2 check after their forward, below)
+                    written = lost_writes(state)
+                    if written:  # e.g. an EMA's lerp_ of bfloat16 shards apart from the master
+                        raise _written_through_data(state, written, apart=True)
             except Exception as exc:
                 if state.stage < 3:  # local: no collective, so checks raise here
                     raise
@@ -1028,12 +1032,13 @@ def _replaced_data(replaced: Sequence[str]) -> ValueError:
         f"param_dtype unset), so that the conversion is a no-op")
 
 
-def _written_through_data(state: ShardState, written: Sequence[int]) -> ValueError:
+def _written_through_data(state: ShardState, written: Sequence[int], *,
+                          apart: bool = False) -> ValueError:
     """The error for buckets `written` through ``.data`` in a step where the write would be
     lost: stage 3's gathered copies (train or eval), or parameters recomputed from a master
     copy (stages 0-2, train)."""
     labels = [state.layout.buckets[i].label for i in written]
-    if state.stage == 3:
+    if state.stage == 3 and not apart:
         why = ("stage 3 writes into a gathered copy it then discards, so the write would be "
                "lost silently. Change parameters between steps (fzero.full_params / a new "
                "state), or use stage 0-2 without a separate master copy, where such a write "

@@ -599,3 +599,73 @@ def test_a_load_whose_param_dtype_overflows_says_so(tmp_path) -> None:
     fzero.SimWorld(2).run(_save_large, path)
     for message in fzero.SimWorld(2).run(_load_narrow, path):
         assert "weight" in message and "beyond param_dtype torch.float16's range" in message
+
+
+class _Counted(torch.nn.Module):
+    """A Linear beside a count forward keeps, registered persistent or not."""
+
+    def __init__(self, persistent: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("count", torch.zeros(()), persistent=persistent)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        return self.lin(x)
+
+
+def _counted_save(comm: Any, model: torch.nn.Module, path: str) -> None:
+    state = fzero.init(model, stage=1, comm=comm, optimizer=fzero.optim.sgd(lr=0.1))
+    step = fzero.make_train_step(model, lambda call, b: call(b).pow(2).mean())
+    for _ in range(5):
+        state, _ = step(state, torch.ones(2, 3))
+    fzero.save(state, path)
+
+
+def _counted_load(comm: Any, model: torch.nn.Module, path: str) -> float | str:
+    try:
+        return float(fzero.load(path, model=model, comm=comm).buffers["count"])
+    except CheckpointError as error:
+        return str(error)
+
+
+def test_a_buffer_saved_persistent_does_not_load_from_a_model_that_is_not(tmp_path) -> None:
+    """A count saved persistent (5) loaded into a model registering it persistent=False took
+    the model's own 0 and dropped the saved 5, silently (a probe; torch's strict
+    load_state_dict refuses the pair as an unexpected key): every rank raises, naming it. Saved
+    and loaded non-persistent, the model's value (the rule); saved and loaded persistent, the
+    saved one; on a meta skeleton, the saved one."""
+    path = str(tmp_path / "persistent")
+    fzero.SimWorld(2).run(_counted_save, _Counted(persistent=True), path)
+    assert fzero.SimWorld(2).run(_counted_load, _Counted(persistent=True), path) == [5.0] * 2
+    for message in fzero.SimWorld(2).run(_counted_load, _Counted(persistent=False), path):
+        assert "['count'] were saved persistent" in message, message
+    with torch.device("meta"):
+        skeleton = _Counted(persistent=False)
+    assert fzero.SimWorld(2).run(_counted_load, skeleton, path) == [5.0] * 2
+    other = str(tmp_path / "non_persistent")
+    fzero.SimWorld(2).run(_counted_save, _Counted(persistent=False), other)
+    fresh = _Counted(persistent=False)
+    with torch.no_grad():
+        fresh.count.fill_(42.0)
+    assert fzero.SimWorld(2).run(_counted_load, fresh, other) == [42.0] * 2
+    assert read_manifest(other).state["non_persistent_buffers"] == ["count"]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_save_refuses_extra_values_json_cannot_hold(tmp_path, value: float) -> None:
+    """save(extra={"best": inf}) wrote ``Infinity`` into manifest.json, which Python reads
+    back but JSON parsers other than Python's (jq, JSON.parse, serde_json) refuse, with the
+    whole manifest (a probe): every rank raises, naming the key, before anything is written."""
+    path = str(tmp_path / "c")
+
+    def body(comm: Any) -> str:
+        state = fzero.init(small_model(), stage=1, comm=comm,
+                           optimizer=fzero.optim.sgd(lr=0.1))
+        with pytest.raises(TypeError) as caught:
+            fzero.save(state, path, extra={"ok": [1.5], "best": value})
+        return str(caught.value)
+
+    for message in fzero.SimWorld(2).run(body):
+        assert "extra['best']" in message or "'best'" in message, message
+    assert not os.path.exists(path)

@@ -4,6 +4,7 @@ here fails on its mutant (named in brackets) and passes on fzero."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -483,16 +484,17 @@ def test_a_state_whose_tensors_a_tree_map_converted_is_refused_before_forward(
         assert "was built with torch.float64" in message, message
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_an_ema_of_a_bfloat16_state_keeps_its_master_exact_and_eval_says_why_it_refuses(
-        stage: int) -> None:
+        stage: int, tmp_path: Any) -> None:
     """The README's EMA recipe lerps every leaf in its own dtype. Over a bfloat16 state with a
     float32 master, the master's EMA is exact (checked against an EMA of each step's
     `full_params(master=True)`), while the bfloat16 parameters' EMA stands apart from it:
     eval steps and saves refuse such a state, and said only that something wrote through
-    ``.data`` (a probe); they name the tree_map now."""
+    ``.data`` (a probe); they name the tree_map now. Stage 3 evaluated, saved and exported
+    the bfloat16-rounded EMA silently (a probe): it refuses too."""
 
-    def body(comm: Any) -> tuple[bool, str]:
+    def body(comm: Any) -> tuple[bool, str, str]:
         model = gb.MLP64(dtype=torch.float32)
         state = fzero.init(model, stage=stage, optimizer=fzero.optim.adamw(lr=1e-2),
                            comm=comm, param_dtype=torch.bfloat16)
@@ -512,11 +514,15 @@ def test_an_ema_of_a_bfloat16_state_keeps_its_master_exact_and_eval_says_why_it_
         with pytest.raises((ValueError, fzero.StepError)) as caught:
             evaluate(ema, gb.rank_rows(gb.mse_batches(1, rows=4, dtype=torch.bfloat16)[0],
                                        comm.rank, comm.world_size))
-        return exact, str(caught.value)
+        with pytest.raises((ValueError, fzero.checkpoint.CheckpointError)) as unsaved:
+            fzero.save(ema, str(tmp_path / "ema"))
+        return exact, str(caught.value), str(unsaved.value)
 
-    for exact, message in fzero.SimWorld(2).run(body):
+    for exact, message, saving in fzero.SimWorld(2).run(body):
         assert exact
         assert "EMA" in message and "master=True" in message, message
+        assert "master=True" in saving, saving
+    assert not os.path.exists(tmp_path / "ema")
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -24,6 +24,7 @@ from fzero.bound import (
     buffer_aliases,
     check_shared_memory,
     module_versions,
+    non_persistent_buffers,
     requires_grad_flags,
 )
 from fzero.checkpoint import record
@@ -80,7 +81,9 @@ def load(
         model: the module to train (any device, ``meta`` included: only its parameter names,
             shapes and buffers are read), or a mapping of parameter names to tensors. Its
             non-persistent buffers keep the values it holds (as ``load_state_dict`` leaves
-            them: a rotary ``inv_freq`` of another ``rope_theta``), or on ``meta`` the saved.
+            them: a rotary ``inv_freq`` of another ``rope_theta``), or on ``meta`` the saved;
+            one saved persistent raises (`CheckpointError`), as torch's strict
+            ``load_state_dict`` does (its saved value would be dropped).
         comm: this rank's communicator; every rank must call `load`.
         optimizer: the optimizer; default: rebuilt from the manifest (required when the saved
             one used a learning-rate schedule, which cannot be stored).
@@ -160,6 +163,7 @@ def load(
     # Each rank's own buffers (they differ under buffers="local"); at another N, rank 0's.
     own_buffers = comm.rank if manifest.world_size == comm.world_size else 0
     from_model = _model_owned_buffers(model, buffer_names)
+    _check_persistence(path, saved, from_model)
     with Reader(path, manifest, layout) as reader:
         state = record.build(
             layout, stage, record.steps_by_every_name(saved, manifest.layout), reader.fill,
@@ -174,6 +178,7 @@ def load(
             requires_grad=requires_grad_flags(model),
             module_versions=module_versions(model),
             buffer_aliases=aliases,
+            non_persistent=non_persistent_buffers(model),
         )
         if restore_rng and manifest.world_size == comm.world_size:
             reader.restore_rng(comm.rank, device)
@@ -476,6 +481,26 @@ def _model_owned_buffers(
     named = dict(model.named_buffers())
     return {name: lambda _, value=named[name]: value.detach().clone()
             for name in names if name in non_persistent and not named[name].is_meta}
+
+
+def _check_persistence(path: str, saved: Mapping[str, Any], from_model: Mapping[str, Any]
+                       ) -> None:
+    """Raise if a buffer the model registers non-persistent (whose value a load takes from the
+    model) was saved persistent: its saved value is data the model would replace silently,
+    where torch's strict ``load_state_dict`` refuses the pair (an unexpected key). Checkpoints
+    written before fzero recorded persistence are not checked."""
+    recorded = saved.get("non_persistent_buffers")
+    if recorded is None:
+        return
+    persistent = sorted(set(from_model) - set(recorded))
+    if persistent:
+        raise CheckpointError(
+            f"{os.path.join(path, 'manifest.json')}: buffers {persistent[:8]} were saved "
+            f"persistent (their values are in the checkpoint) but the model registers them with "
+            f"persistent=False, so the load would take the model's own values and drop the "
+            f"saved ones (torch's strict load_state_dict refuses this as unexpected keys). "
+            f"Register them as persistent, or load into a model on 'meta' (which takes the "
+            f"saved values)")
 
 
 def _retied(

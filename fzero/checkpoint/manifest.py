@@ -22,6 +22,7 @@ its header alone, also when a load skips the checksums (which read every byte).
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 import zlib
@@ -373,7 +374,7 @@ def check_json(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     if problem:
         raise TypeError(f"extra must come back from JSON as saved: {problem}")
     try:
-        return json.loads(json.dumps(dict(extra)))
+        return json.loads(json.dumps(dict(extra), allow_nan=False))
     except (TypeError, ValueError) as error:
         raise TypeError(f"extra must hold JSON values only (str, numbers, lists, dicts): "
                         f"{error}") from None
@@ -398,6 +399,10 @@ def _json_change(value: Any, where: str) -> str | None:
         return None
     if isinstance(value, tuple):
         return f"{where} is a tuple, which JSON stores as a list: use a list"
+    if type(value) is float and not math.isfinite(value):
+        return (f"{where} is {value!r}, which JSON has no value for (Python writes it as "
+                f"{json.dumps(value)}, which JSON parsers other than Python's refuse, with the "
+                f"whole manifest): store None, a string, or a finite number")
     if value is None or type(value) in (str, int, float, bool):
         return None
     if isinstance(value, str | int | float):  # a subclass: an enum, a numpy scalar

@@ -94,6 +94,9 @@ def describe(state: ShardState, *, optimizer_state: bool = True) -> dict[str, An
         "rank_buffers": True,  # every rank's file holds its own buffers
         # ``[alias, name]`` of a buffer registered under several names (stored once, as name).
         "buffer_aliases": [list(pair) for pair in config.buffer_aliases],
+        # Buffers registered with persistent=False (None: unknown, a state of a mapping).
+        "non_persistent_buffers": (None if config.non_persistent is None
+                                   else list(config.non_persistent)),
         # Steps each trainable parameter received, by name, when some differ (unused ones).
         "param_steps": None if state.param_steps is None else dict(zip(
             [e.name for b in state.layout.buckets if b.trainable for e in b.entries],
@@ -186,6 +189,7 @@ def build(
     requires_grad: tuple[tuple[str, bool], ...] | None = None,
     module_versions: ModuleVersions | None = None,
     buffer_aliases: tuple[tuple[str, str], ...] = (),
+    non_persistent: tuple[str, ...] | None = None,
 ) -> ShardState:
     """The state a load returns: tensors allocated as `fzero.init` lays them out for `stage`
     (see `fzero.state`'s table), values from `fill`, the rest from `record`.
@@ -264,7 +268,7 @@ def build(
             value = value.to(param_dtype)  # as init casts them
         values[name] = value
     config = ShardConfig(comm, optimizer, param_dtype, master_dtype, reduce_dtype, device,
-                         requires_grad, module_versions, buffer_aliases)
+                         requires_grad, module_versions, buffer_aliases, non_persistent)
     return with_uncast(ShardState(
         layout=layout,
         stage=stage,
