@@ -105,6 +105,9 @@ def compare(comm, model: nn.Module, loss_fn, batches: list[Any]) -> dict[str, An
 
     hand_losses, fzero_losses = [], []
     for batch in batches:
+        if batch[0].shape[0] % comm.world_size:  # the last rows would be dropped, silently
+            raise ValueError(f"a global batch of {batch[0].shape[0]} rows does not split over "
+                             f"{comm.world_size} ranks: run a world size that divides it")
         rows = batch[0].shape[0] // comm.world_size
         mine = tuple(t[comm.rank * rows : (comm.rank + 1) * rows] for t in batch)
         by_hand, loss = step_by_hand(by_hand, mine)

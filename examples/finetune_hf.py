@@ -184,6 +184,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     small = [f"--{name.replace('_', '-')}" for name in sizes if getattr(args, name) < 1]
     if small:
         ap.error(f"{', '.join(small)} must be >= 1")
+    # Both are written after training: refuse now what would fail (or, for a file given as
+    # --out, be skipped by save_pretrained with a log line while "saved to" was printed).
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        ap.error(f"--out {args.out}: a file, not a directory (from_pretrained reads a directory)")
+    if args.metrics_json and not os.path.isdir(os.path.dirname(os.path.abspath(
+            args.metrics_json))):
+        ap.error(f"--metrics-json {args.metrics_json}: its directory does not exist (it is "
+                 f"written at the end of the run)")
     return args
 
 

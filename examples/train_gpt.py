@@ -36,6 +36,7 @@ import glob
 import math
 import os
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -149,8 +150,11 @@ def num_params(model: nn.Module) -> int:
 DEFAULT_CORPUS_CAP = 4 << 20  # bytes of the standard-library corpus
 
 
-def load_corpus(path: str | None) -> tuple[Tensor, str]:
-    """The corpus as a ``(n_bytes,)`` uint8 tensor, and a one-line description."""
+def load_corpus(path: str | None, exclude: tuple[str, ...] = ()) -> tuple[Tensor, str]:
+    """The corpus as a ``(n_bytes,)`` uint8 tensor, and a one-line description. A folder's
+    subfolders in `exclude` (the run's checkpoint directory) and fzero checkpoints are skipped:
+    their bytes change as the run saves, and a resumed run would read another corpus."""
+    skip = {os.path.realpath(x) for x in exclude}
     if path is None:
         root = os.path.dirname(os.__file__)
         files, cap = sorted(glob.glob(os.path.join(root, "*.py"))), DEFAULT_CORPUS_CAP
@@ -158,7 +162,10 @@ def load_corpus(path: str | None) -> tuple[Tensor, str]:
     elif os.path.isdir(path):
         files = []
         for d, dirs, names in os.walk(path):
-            dirs[:] = [x for x in dirs if not x.startswith(".") and x != "__pycache__"]
+            dirs[:] = [x for x in dirs if not x.startswith(".") and x != "__pycache__"
+                       and os.path.realpath(os.path.join(d, x)) not in skip
+                       and not os.path.isfile(os.path.join(d, x, "manifest.json"))
+                       and not x.endswith((".partial", ".old"))]
             files += [os.path.join(d, f) for f in names if not f.startswith(".")]
         files, cap, where = sorted(f for f in files if os.path.isfile(f)), None, path
     elif os.path.isfile(path):
@@ -345,7 +352,7 @@ def run(args: argparse.Namespace, comm) -> None:
     clip_norm = args.clip_norm or None
 
     # data -------------------------------------------------------------------
-    tokens, about = load_corpus(args.data)  # (n_bytes,) uint8
+    tokens, about = load_corpus(args.data, exclude=(args.resume,) if args.resume else ())
     if len(tokens) < 3 * (args.seq_len + 2):
         raise SystemExit(f"--seq-len {args.seq_len} needs a corpus of at least "
                          f"{3 * (args.seq_len + 2):,} bytes (train and validation sequences); "
@@ -354,6 +361,11 @@ def run(args: argparse.Namespace, comm) -> None:
     train_data, val_data = tokens[:-n_val], tokens[-n_val:]
     gen = torch.Generator().manual_seed(args.seed + 1)  # same stream on every rank
     tokens_per_step = args.batch_size * args.seq_len  # global
+    # What a resume must share with the run it continues, or it draws other batches or another
+    # learning-rate schedule than the uninterrupted run would have (silently, before).
+    run_config = {"batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
+                  "lr": args.lr, "warmup_steps": args.warmup_steps, "seed": args.seed,
+                  "corpus": f"{len(tokens)} bytes, crc32 {zlib.crc32(tokens.numpy()):08x}"}
 
     # model ------------------------------------------------------------------
     cfg = GPTConfig(seq_len=args.seq_len)
@@ -391,9 +403,16 @@ def run(args: argparse.Namespace, comm) -> None:
                 model, stage=args.stage, optimizer=optimizer, comm=comm, param_dtype=param_dtype
             )
         else:  # any world size: the checkpoint is resharded while it loads
+            extra = fzero.checkpoint.read_manifest(latest).extra
+            saved = extra.get("run_config", run_config)
+            differ = [f"{k}: {saved.get(k)!r} in the checkpoint, {v!r} now"
+                      for k, v in run_config.items() if saved.get(k) != v]
+            if differ:
+                raise SystemExit(f"--resume {args.resume}: {latest} was saved by a run with "
+                                 f"other settings ({'; '.join(differ)}): rerun with the same "
+                                 f"arguments and data, or use a new --resume DIR")
             state = fzero.load(latest, model=model, comm=comm, optimizer=optimizer,
                                stage=args.stage, param_dtype=param_dtype)
-            extra = fzero.checkpoint.read_manifest(latest).extra
             done = extra["steps_done"]
             gen.set_state(torch.frombuffer(bytearray(base64.b64decode(extra["data_rng"])),
                                            dtype=torch.uint8))
@@ -428,7 +447,7 @@ def run(args: argparse.Namespace, comm) -> None:
             # A collective; it appears atomically once every rank has written its shards.
             data_rng = base64.b64encode(gen.get_state().numpy().tobytes()).decode()
             fzero.save(state, os.path.join(args.resume, f"step-{i:06d}"), overwrite=True,
-                       extra={"steps_done": i, "data_rng": data_rng})
+                       extra={"steps_done": i, "data_rng": data_rng, "run_config": run_config})
     bar.close()
     wall = time.perf_counter() - t_start
 

@@ -98,8 +98,8 @@ def parse_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
 
     torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) win when RANK
     or WORLD_SIZE is set; else Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and
-    MASTER_ADDR, MASTER_PORT; MASTER_ADDR defaults to the first host of SLURM_JOB_NODELIST or
-    SLURM_NODELIST) when SLURM_PROCID is set; else a single-process world.
+    MASTER_ADDR, MASTER_PORT; MASTER_ADDR defaults to the first host of SLURM_STEP_NODELIST,
+    SLURM_JOB_NODELIST or SLURM_NODELIST) when SLURM_PROCID is set; else a single-process world.
 
     Args:
         environ: The environment, e.g. `os.environ`.
@@ -132,12 +132,17 @@ def parse_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
         local_rank = _env_int(environ, "SLURM_LOCALID", launcher, expected)
         addr = port = None
         if world_size > 1:
-            nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+            # The step's nodes first: SLURM_PROCID counts the step's tasks, and a step on part
+            # of the allocation (`srun -N1 -w gpu02` in a two-node job) has its rank 0 on the
+            # step's first node, not the job's.
+            nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+                        or environ.get("SLURM_NODELIST"))
             addr = environ.get("MASTER_ADDR") or (nodelist and _first_slurm_host(nodelist))
             if not addr:
                 raise ValueError(
-                    "slurm launch detected but neither MASTER_ADDR nor SLURM_JOB_NODELIST / "
-                    "SLURM_NODELIST is set: export MASTER_ADDR=<first node's hostname>"
+                    "slurm launch detected but neither MASTER_ADDR nor SLURM_STEP_NODELIST / "
+                    "SLURM_JOB_NODELIST / SLURM_NODELIST is set: export "
+                    "MASTER_ADDR=<first node's hostname>"
                 )
             port = _env_int(environ, "MASTER_PORT", launcher, expected)
     else:

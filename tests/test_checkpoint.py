@@ -1399,6 +1399,31 @@ def test_train_gpt_stop_after_saves_where_it_stops(tmp_path) -> None:
     refused = subprocess.run([sys.executable, *args, "--stop-after", "3"], capture_output=True,
                              text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert refused.returncode == 2 and "--stop-after needs --resume DIR" in refused.stderr
+    # A rerun with other settings continued as if it were the same run, drawing other batches
+    # or another schedule (a probe): refused, naming each setting.
+    changed = subprocess.run([sys.executable, *args, "--lr", "0.5", "--resume",
+                              str(tmp_path / "b")], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=600)
+    assert changed.returncode != 0 and "saved by a run with other settings" in changed.stderr
+    assert "(lr: 0.002 in the checkpoint, 0.5 now)" in changed.stderr, changed.stderr
+
+
+def test_train_gpt_reads_no_checkpoint_as_its_corpus(tmp_path) -> None:
+    """``--data .`` beside ``--resume ck`` read the checkpoint's own shards as text on resume
+    (22 MB instead of 39 KB, other losses: a probe): the corpus leaves out the run's
+    checkpoint folder, any fzero checkpoint and a save's .partial / .old folders."""
+    sys.path.insert(0, os.path.join(os.getcwd(), "examples"))
+    try:
+        train_gpt = importlib.import_module("train_gpt")
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "text.txt").write_text("hello corpus\n" * 100)
+    for folder in ("ck/step-000002", "other", "x.partial", "y.old"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "rank0.safetensors").write_bytes(b"\0" * 100)
+    (tmp_path / "other" / "manifest.json").write_text("{}")
+    tokens, _ = train_gpt.load_corpus(str(tmp_path), exclude=(str(tmp_path / "ck"),))
+    assert bytes(tokens.tolist()) == b"hello corpus\n" * 100
 
 
 @pytest.mark.slow

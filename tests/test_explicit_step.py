@@ -52,3 +52,11 @@ def test_explicit_step_equals_make_train_step_on_simworld(case) -> None:
 def test_explicit_step_equals_make_train_step_on_gloo(gloo_pool: Any) -> None:
     model, loss, batches = gpt_case()
     assert_bitwise(gloo_pool(2).run(explicit_step.compare, model, loss, batches))
+
+
+def test_a_global_batch_that_does_not_split_over_the_ranks_raises() -> None:
+    """At 3 ranks each took 8 // 3 rows and the last 2 were dropped, and the comparison still
+    said equal (a probe)."""
+    model, loss, batches = gpt_case()
+    with pytest.raises(fzero.SimWorldError, match="8 rows does not split over 3 ranks"):
+        fzero.SimWorld(3).run(explicit_step.compare, model, loss, batches[:1])

@@ -205,6 +205,20 @@ def test_sizes_below_one_are_argument_errors(flag: str, capsys) -> None:
     assert info.value.code == 2 and f"{flag} must be >= 1" in capsys.readouterr().err
 
 
+def test_outputs_that_cannot_be_written_are_argument_errors(tmp_path: Path, capsys) -> None:
+    """``--out`` naming a file trained the whole run, then save_pretrained logged and skipped
+    it while the script printed "saved to" (a probe); a ``--metrics-json`` in a missing folder
+    failed after training. Both are argument errors before anything runs."""
+    taken = tmp_path / "file"
+    taken.write_text("")
+    for argv, message in ((["--out", str(taken)], "a file, not a directory"),
+                          (["--metrics-json", str(tmp_path / "no" / "m.json")],
+                           "its directory does not exist")):
+        with pytest.raises(SystemExit) as info:
+            ft.parse_args([*TINY, *argv])
+        assert info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_a_pattern_matching_a_tied_name_trains_the_tensor() -> None:
     """GPT-2's ``lm_head.weight`` is its ``transformer.wte.weight`` (tied): ``--train
     'lm_head.*'`` said "matches no parameter" (the names were listed without duplicates, a

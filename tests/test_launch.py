@@ -133,7 +133,9 @@ def test_slurm_sbatch_with_a_local_srun(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "scontrol").write_text("#!/bin/bash\necho localhost\n")  # show hostnames
+    # show hostnames: a large allocation's (`head -n 1` ended the script with SIGPIPE under
+    # pipefail, silently, status 141: a probe)
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho localhost\nseq -f 'node%g' 200000\n")
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     port = free_port()

@@ -121,6 +121,18 @@ def test_slurm_env_rendezvous_at_the_first_host(exprs, ntasks, data) -> None:
     assert parse_launch_env(env).master_addr == "other7"
 
 
+def test_a_step_on_part_of_the_allocation_meets_at_the_step_s_first_node() -> None:
+    """SLURM_PROCID counts the step's tasks: in ``srun -N1 -w gpu02`` inside a two-node job,
+    rank 0 runs on gpu02, where the job's first node gpu01 was named (the ranks waited out the
+    timeout; a probe). The step's node list wins over the job's."""
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "MASTER_PORT": "29500",
+           "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_STEP_NODELIST": "gpu02",
+           "SLURM_NODELIST": "gpu[01-02]"}
+    assert parse_launch_env(env).master_addr == "gpu02"
+    del env["SLURM_STEP_NODELIST"]
+    assert parse_launch_env(env).master_addr == "gpu01"
+
+
 def test_the_expander_itself() -> None:
     assert list(expand("gpu[03-05,9],cpu1")) == ["gpu03", "gpu04", "gpu05", "gpu9", "cpu1"]
     assert list(expand("r[1-2]-n[08-09]")) == ["r1-n08", "r1-n09", "r2-n08", "r2-n09"]
