@@ -151,7 +151,8 @@ class HeaderRound:
         if unable:
             raise StepError(
                 f"{what}: rank(s) {unable} could not start it (their own error says why: a "
-                f"consumed state, another model, or a batch that does not split); nothing was "
+                f"consumed state, another model, a batch that does not split or has no rows, "
+                f"such as no target token where rows= counts them); nothing was "
                 f"communicated or changed",
                 step=header.step + 1,
                 ranks=unable,
