@@ -163,10 +163,11 @@ class MicroBatches(list):
     loss of the whole batch only for micro-batches of equal size, so the step raises when
     their sizes along dim 0 differ (the size of a micro-batch is the most common dim 0 among
     its tensors, a length, another tensor's later dim, losing a tie), or cannot be told (a tie
-    nothing breaks, or a most common size that is a length) and their tensors' sizes differ
-    place by place (or by the step's declared ``rows=``, which also weighs unequal ones by
-    their rows). Give `weights` for unequal ones: their rows when
-    ``loss_fn`` means over rows, their target token counts when it means over tokens. Without
+    nothing breaks, a most common size that is a length, or a nested list of entries with
+    tensors, which may be one per row) and their tensors' sizes differ place by place (or by
+    the step's declared ``rows=``, which also weighs unequal ones by their rows). Give
+    `weights` for unequal ones: their rows when ``loss_fn`` means over rows, their target
+    token counts when it means over tokens. Without
     this wrapper a batch is never taken apart by its container's length: it is split along
     dim 0 into `accum_steps`.
 
