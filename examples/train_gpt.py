@@ -150,6 +150,15 @@ def num_params(model: nn.Module) -> int:
 DEFAULT_CORPUS_CAP = 4 << 20  # bytes of the standard-library corpus
 
 
+def _a_save(folder: str) -> bool:
+    """Whether `folder` holds nothing but what an fzero save writes (a checkpoint, or a save's
+    .partial / .old leftovers), and something of it: a user's folder that merely holds a
+    manifest.json, or is named *.old, is data."""
+    from fzero.checkpoint.saving import only_a_saves_files
+
+    return bool(os.listdir(folder)) and only_a_saves_files(folder)
+
+
 def load_corpus(path: str | None, exclude: tuple[str, ...] = ()) -> tuple[Tensor, str]:
     """The corpus as a ``(n_bytes,)`` uint8 tensor, and a one-line description. A folder's
     subfolders in `exclude` (the run's checkpoint directory) and fzero checkpoints are skipped:
@@ -164,8 +173,7 @@ def load_corpus(path: str | None, exclude: tuple[str, ...] = ()) -> tuple[Tensor
         for d, dirs, names in os.walk(path):
             dirs[:] = [x for x in dirs if not x.startswith(".") and x != "__pycache__"
                        and os.path.realpath(os.path.join(d, x)) not in skip
-                       and not os.path.isfile(os.path.join(d, x, "manifest.json"))
-                       and not x.endswith((".partial", ".old"))]
+                       and not _a_save(os.path.join(d, x))]
             files += [os.path.join(d, f) for f in names if not f.startswith(".")]
         files, cap, where = sorted(f for f in files if os.path.isfile(f)), None, path
     elif os.path.isfile(path):
@@ -365,6 +373,7 @@ def run(args: argparse.Namespace, comm) -> None:
     # learning-rate schedule than the uninterrupted run would have (silently, before).
     run_config = {"batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
                   "lr": args.lr, "warmup_steps": args.warmup_steps, "seed": args.seed,
+                  "clip_norm": args.clip_norm,
                   "corpus": f"{len(tokens)} bytes, crc32 {zlib.crc32(tokens.numpy()):08x}"}
 
     # model ------------------------------------------------------------------

@@ -473,6 +473,7 @@ def make_eval_step(
     binder = Binder(model)
     own_streams: dict[torch.device, Streams | None] = {}  # see _streams_of
     checked_writes = False  # stage 3: whether an eval looked for writes bypassing autograd
+    clean: list[tuple[weakref.ref[Tensor], int]] = []  # stage 3: tensors found not apart
 
     def evaluate(state: ShardState, batch: Any) -> Any:
         if not isinstance(state, ShardState):
@@ -487,10 +488,12 @@ def make_eval_step(
                 check_tensors(state, "evaluate")
                 release = claim(model, "evaluate")
                 named = _check_model(model, state)
-                if state.stage == 3:  # (stages 0-2 check after their forward, below)
+                if state.stage == 3 and not _unchanged(clean, state):  # (stages 0-2 check
+                    # after their forward, below)
                     written = lost_writes(state)
                     if written:  # e.g. an EMA's lerp_ of bfloat16 shards apart from the master
                         raise _written_through_data(state, written, apart=True)
+                    clean[:] = _marks(state)
             except Exception as exc:
                 if state.stage < 3:  # local: no collective, so checks raise here
                     raise
@@ -547,6 +550,27 @@ def make_eval_step(
             return out
 
     return evaluate
+
+
+def _marks(state: ShardState) -> list[tuple[weakref.ref[Tensor], int]]:
+    """Each parameter and master buffer of `state` with its version: while they are the same
+    tensors at the same versions, `lost_writes` would find what it found (a comparison of
+    every shard, a device-to-host copy: 20% of a stage-3 eval of one row on the CPU, a
+    review). Only a write through ``.data`` of the state's own tensors goes unseen, which
+    no step or documented recipe makes. Empty where a tensor has no version (inference)."""
+    tensors = [t for t in (*state.params, *state.master) if t is not None]
+    try:
+        return [(weakref.ref(t), t._version) for t in tensors]
+    except RuntimeError:  # (an inference tensor tracks no version)
+        return []
+
+
+def _unchanged(marks: Sequence[tuple[weakref.ref[Tensor], int]], state: ShardState) -> bool:
+    """Whether `state`'s parameters and master buffers are those `marks` saw, unchanged."""
+    now = _marks(state)
+    return bool(marks) and len(marks) == len(now) and all(
+        ref() is not None and ref() is other() and version == seen
+        for (ref, version), (other, seen) in zip(marks, now, strict=True))
 
 
 def _kept_names(state: ShardState) -> list[str]:
@@ -1039,7 +1063,16 @@ def _written_through_data(state: ShardState, written: Sequence[int], *,
     lost: stage 3's gathered copies (train or eval), or parameters recomputed from a master
     copy (stages 0-2, train)."""
     labels = [state.layout.buckets[i].label for i in written]
-    if state.stage == 3 and not apart:
+    if apart:  # (stage 3's eval step, before it gathers: nothing was written during it)
+        return ValueError(
+            f"stage 3: this rank's parameters of buckets {labels} stand apart from their "
+            f"master copy, from which the next update recomputes them: a tree_map over the "
+            f"state changed them, such as an EMA's lerp_ (an EMA of such a state is averaged "
+            f"in each leaf's own dtype: read it with fzero.full_params(ema, master=True)), or a "
+            f"write through .data. Evaluating them would use values the state does not hold "
+            f"in its master copy; rebuild the state from the values you mean (fzero.init, a "
+            f"checkpoint)")
+    if state.stage == 3:
         why = ("stage 3 writes into a gathered copy it then discards, so the write would be "
                "lost silently. Change parameters between steps (fzero.full_params / a new "
                "state), or use stage 0-2 without a separate master copy, where such a write "

@@ -1420,10 +1420,20 @@ def test_train_gpt_reads_no_checkpoint_as_its_corpus(tmp_path) -> None:
     (tmp_path / "text.txt").write_text("hello corpus\n" * 100)
     for folder in ("ck/step-000002", "other", "x.partial", "y.old"):
         (tmp_path / folder).mkdir(parents=True)
-        (tmp_path / folder / "rank0.safetensors").write_bytes(b"\0" * 100)
+        (tmp_path / folder / "shard-00000-of-00002.safetensors").write_bytes(b"\0" * 100)
     (tmp_path / "other" / "manifest.json").write_text("{}")
     tokens, _ = train_gpt.load_corpus(str(tmp_path), exclude=(str(tmp_path / "ck"),))
     assert bytes(tokens.tolist()) == b"hello corpus\n" * 100
+    # A user's folder holding a manifest.json of its own, or named *.old, is data (the first
+    # version skipped both: a review).
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "manifest.json").write_text('{"source": "a library"}')
+    (tmp_path / "books" / "a.txt").write_text("a book\n")
+    (tmp_path / "drafts.old").mkdir()
+    (tmp_path / "drafts.old" / "b.txt").write_text("old draft\n")
+    tokens, _ = train_gpt.load_corpus(str(tmp_path), exclude=(str(tmp_path / "ck"),))
+    text = bytes(tokens.tolist())
+    assert b"a book" in text and b"old draft" in text and b"\0" not in text
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -523,6 +524,43 @@ def test_an_ema_of_a_bfloat16_state_keeps_its_master_exact_and_eval_says_why_it_
         assert "EMA" in message and "master=True" in message, message
         assert "master=True" in saving, saving
     assert not os.path.exists(tmp_path / "ema")
+
+
+def test_a_stage_3_eval_compares_parameters_with_their_master_once_until_they_change() -> None:
+    """Stage 3's eval step compares every shard with its master copy's cast (one pass and a
+    device-to-host copy: 20% of an eval of one row on the CPU, a review); it does so again
+    only once the state's tensors changed (another state, a step, a tree_map's lerp_)."""
+    calls = []
+    real = fzero.step.lost_writes
+
+    def counted(state: Any) -> list[int]:
+        calls.append(state.rank)
+        return real(state)
+
+    def body(comm: Any) -> str:
+        model = gb.MLP64(dtype=torch.float32)
+        state = fzero.init(model, stage=3, optimizer=fzero.optim.adamw(lr=1e-2), comm=comm,
+                           param_dtype=torch.bfloat16)
+        batch = gb.rank_rows(gb.mse_batches(1, rows=4, dtype=torch.bfloat16)[0], comm.rank,
+                             comm.world_size)
+        evaluate = fzero.make_eval_step(model, gb.mse_loss)
+        for _ in range(3):
+            evaluate(state, batch)
+        state, _ = fzero.make_train_step(model, gb.mse_loss)(state, batch)
+        evaluate(state, batch)
+        ema = fzero.clone_state(state)
+        evaluate(ema, batch)
+        state, _ = fzero.make_train_step(model, gb.mse_loss)(state, batch)
+        torch.utils._pytree.tree_map(
+            lambda e, s: e.lerp_(s, 0.3) if e.is_floating_point() else e.copy_(s), ema, state)
+        with pytest.raises((ValueError, fzero.StepError)) as caught:
+            evaluate(ema, batch)
+        return str(caught.value)
+
+    with mock.patch("fzero.step.lost_writes", counted):
+        for message in fzero.SimWorld(2).run(body):
+            assert "stand apart from their master copy" in message or "rank(s)" in message
+    assert sorted(calls) == [0] * 4 + [1] * 4  # init's state, after the step, the clone, lerped
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -145,6 +145,7 @@ def load(
     check_optimizer_dtype(optimizer, master_dtype)
     aliases = _buffer_aliases(manifest, model)
     buffer_names = _check_buffers(path, manifest, model, aliases)
+    from_model = _model_owned_buffers(model, buffer_names)
     # One checkpoint, read alike: ranks given different ones (another run's save at the same
     # step) mixed them into one state silently, a probe found (a path may differ: mounts).
     call = {**layout.parts(),
@@ -152,9 +153,12 @@ def load(
                 (manifest.save_id, saved["step"], manifest.world_size)),
             "stage, dtypes (param, master, reduce), weights_only": repr(
                 (stage, param_dtype, master_dtype, reduce_dtype, weights_only)),
-            "the optimizer and its hyperparameters": optimizer.describe()}
+            "the optimizer and its hyperparameters": optimizer.describe(),
+            # Which buffers take the model's own values (non-persistent, not on meta): ranks
+            # that differ would hold different buffers, or raise alone below.
+            "the model's non-persistent buffers it holds values for": repr(sorted(from_model))}
     try:
-        fingerprint_check(comm, repr((layout.fingerprint, *list(call.values())[-3:])),
+        fingerprint_check(comm, repr((layout.fingerprint, *list(call.values())[-4:])),
                           "load call", parts=call)
     except ValueError as error:
         raise CheckpointError(f"load {path}: {error}; nothing was loaded") from None
@@ -162,7 +166,6 @@ def load(
 
     # Each rank's own buffers (they differ under buffers="local"); at another N, rank 0's.
     own_buffers = comm.rank if manifest.world_size == comm.world_size else 0
-    from_model = _model_owned_buffers(model, buffer_names)
     _check_persistence(path, saved, from_model)
     with Reader(path, manifest, layout) as reader:
         state = record.build(

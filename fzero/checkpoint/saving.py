@@ -100,12 +100,23 @@ def save(
     # a write through .data its master copy lacks (a step raised on it and left it there),
     # or parameters that differ between ranks at stages 0-2 (each rank writes only its part).
     live = state.lease.consumed_by is None
-    written = lost_writes(state) if live else []
-    fingerprint = params_fingerprint(state) if live else None
+    check_failed: Exception | None = None
+    try:  # reads (and, apart from a master, casts) every shard: may fail here only (an OOM)
+        written = lost_writes(state) if live else []
+        fingerprint = params_fingerprint(state) if live else None
+    except Exception as error:  # raised below, on every rank
+        written, fingerprint, check_failed = [], None, error
     rows = _gather(comm, [state.lease.consumed_by or 0, int(bad_extra is not None),
                           int(bool(written)),
-                          int(fingerprint) if fingerprint is not None else 0],
+                          int(fingerprint) if fingerprint is not None else 0,
+                          int(check_failed is not None)],
                    label="of fzero.save's checks of the states")
+    if any(row[4] for row in rows):
+        if check_failed is not None:
+            raise check_failed
+        raise CheckpointError(
+            f"save: rank(s) {[r for r, row in enumerate(rows) if row[4]]} could not check "
+            f"their parameters (their own error says why); nothing was written")
     consumed = [row[0] for row in rows]
     if any(consumed):
         if state.lease.consumed_by is not None:
