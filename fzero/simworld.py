@@ -480,6 +480,11 @@ class SimWorld:
             *args: Positional arguments for `fn` (deep-copied per rank if `copy_args`).
             **kwargs: Keyword arguments for `fn` (deep-copied per rank if `copy_args`).
 
+        While the ranks run, the process's automatic garbage collection is off (see the note
+        in the body: a deadlock inside torch), and back as it was afterwards; a process forked
+        meanwhile (a DataLoader's workers) starts with it off, and so does a second run's
+        ranks on another thread until the first run ends. `gc.collect()` works throughout.
+
         Returns:
             `[fn's result on rank 0, ..., on rank n-1]`.
 
