@@ -482,8 +482,8 @@ class SimWorld:
 
         While the ranks run, the process's automatic garbage collection is off (see the note
         in the body: a deadlock inside torch), and back as it was afterwards; a process forked
-        meanwhile (a DataLoader's workers) starts with it off, and so does a second run's
-        ranks on another thread until the first run ends. `gc.collect()` works throughout.
+        meanwhile (a DataLoader's workers) starts with it off, and of two runs at once on
+        different threads the first to end turns it back on. `gc.collect()` works throughout.
 
         Returns:
             `[fn's result on rank 0, ..., on rank n-1]`.
