@@ -154,9 +154,7 @@ def _a_save(folder: str) -> bool:
     """Whether `folder` holds nothing but what an fzero save writes (a checkpoint, or a save's
     .partial / .old leftovers), and something of it: a user's folder that merely holds a
     manifest.json, or is named *.old, is data."""
-    from fzero.checkpoint.saving import only_a_saves_files
-
-    return bool(os.listdir(folder)) and only_a_saves_files(folder)
+    return bool(os.listdir(folder)) and fzero.checkpoint.saving.only_a_saves_files(folder)
 
 
 def load_corpus(path: str | None, exclude: tuple[str, ...] = ()) -> tuple[Tensor, str]:
