@@ -188,6 +188,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # --out, be skipped by save_pretrained with a log line while "saved to" was printed).
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         ap.error(f"--out {args.out}: a file, not a directory (from_pretrained reads a directory)")
+    if args.metrics_json and os.path.isdir(args.metrics_json):
+        ap.error(f"--metrics-json {args.metrics_json}: a directory, not a file")
     if args.metrics_json and not os.path.isdir(os.path.dirname(os.path.abspath(
             args.metrics_json))):
         ap.error(f"--metrics-json {args.metrics_json}: its directory does not exist (it is "

@@ -312,6 +312,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--lr must be a positive number and --warmup-steps >= 0")
     if not (math.isfinite(args.clip_norm) and args.clip_norm >= 0):
         ap.error("--clip-norm must be a number >= 0 (0: no clipping)")
+    if args.metrics_json and os.path.isdir(args.metrics_json):
+        ap.error(f"--metrics-json {args.metrics_json}: a directory, not a file")
     if args.metrics_json and not os.path.isdir(os.path.dirname(os.path.abspath(
             args.metrics_json))):
         ap.error(f"--metrics-json {args.metrics_json}: its directory does not exist (it is "

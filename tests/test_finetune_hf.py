@@ -213,7 +213,8 @@ def test_outputs_that_cannot_be_written_are_argument_errors(tmp_path: Path, caps
     taken.write_text("")
     for argv, message in ((["--out", str(taken)], "a file, not a directory"),
                           (["--metrics-json", str(tmp_path / "no" / "m.json")],
-                           "its directory does not exist")):
+                           "its directory does not exist"),
+                          (["--metrics-json", str(tmp_path)], "a directory, not a file")):
         with pytest.raises(SystemExit) as info:
             ft.parse_args([*TINY, *argv])
         assert info.value.code == 2 and message in capsys.readouterr().err

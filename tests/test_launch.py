@@ -192,6 +192,7 @@ def test_torchrun_on_the_gpu_trains_as_the_reference(tmp_path: Path) -> None:
     (["--clip-norm", "nan"], "--clip-norm must be a number >= 0"),
     # failed after all training was done
     (["--metrics-json", "/nonexistent-dir/m.json"], "its directory does not exist"),
+    (["--metrics-json", "/"], "a directory, not a file"),  # (passed the check: a review)
 ])
 def test_train_gpt_refuses_sizes_below_their_bound(argv: list[str], said: str, capsys) -> None:
     """Sizes that trained on NaN (``--seq-len 0``) or said "all 2 steps were taken already"
