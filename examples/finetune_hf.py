@@ -41,7 +41,10 @@ from transformers import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_gpt import load_corpus  # noqa: E402  (stdlib source, a file or a folder, as bytes)
+from train_gpt import (  # noqa: E402
+    check_metrics_path,
+    load_corpus,  # stdlib source, a file or a folder, as bytes
+)
 
 import fzero  # noqa: E402
 
@@ -188,12 +191,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # --out, be skipped by save_pretrained with a log line while "saved to" was printed).
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         ap.error(f"--out {args.out}: a file, not a directory (from_pretrained reads a directory)")
-    if args.metrics_json and os.path.isdir(args.metrics_json):
-        ap.error(f"--metrics-json {args.metrics_json}: a directory, not a file")
-    if args.metrics_json and not os.path.isdir(os.path.dirname(os.path.abspath(
-            args.metrics_json))):
-        ap.error(f"--metrics-json {args.metrics_json}: its directory does not exist (it is "
-                 f"written at the end of the run)")
+    check_metrics_path(ap, args.metrics_json)
     return args
 
 

@@ -150,6 +150,16 @@ def num_params(model: nn.Module) -> int:
 DEFAULT_CORPUS_CAP = 4 << 20  # bytes of the standard-library corpus
 
 
+def check_metrics_path(ap: argparse.ArgumentParser, path: str | None) -> None:
+    """Refuse, as an argument error before training, a ``--metrics-json`` that could not be
+    written when the run ends (a directory, or a file in a missing one)."""
+    if path and os.path.isdir(path):
+        ap.error(f"--metrics-json {path}: a directory, not a file")
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        ap.error(f"--metrics-json {path}: its directory does not exist (it is written at the "
+                 f"end of the run)")
+
+
 def _a_save(folder: str) -> bool:
     """Whether `folder` holds nothing but what an fzero save writes (a checkpoint, or a save's
     .partial / .old leftovers), and something of it: a user's folder that merely holds a
@@ -312,12 +322,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--lr must be a positive number and --warmup-steps >= 0")
     if not (math.isfinite(args.clip_norm) and args.clip_norm >= 0):
         ap.error("--clip-norm must be a number >= 0 (0: no clipping)")
-    if args.metrics_json and os.path.isdir(args.metrics_json):
-        ap.error(f"--metrics-json {args.metrics_json}: a directory, not a file")
-    if args.metrics_json and not os.path.isdir(os.path.dirname(os.path.abspath(
-            args.metrics_json))):
-        ap.error(f"--metrics-json {args.metrics_json}: its directory does not exist (it is "
-                 f"written at the end of the run)")
+    check_metrics_path(ap, args.metrics_json)
     args.warmup_steps = min(args.warmup_steps, args.steps)
     if args.save_every and not args.resume:
         ap.error("--save-every needs --resume DIR: the directory checkpoints go to")

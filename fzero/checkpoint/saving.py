@@ -21,7 +21,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import metadata as importlib_metadata
 from typing import Any
 
@@ -47,6 +47,19 @@ __all__ = ["fzero_version", "new_save_id", "only_a_saves_files", "save"]
 
 _OK, _EXISTS, _FAILED, _NOT_CHECKPOINT = 0, 1, 2, 3  # rank 0's verdicts, broadcast
 _SHARD_FILE = re.compile(r"shard-\d{5}-of-\d{5}\.safetensors")
+
+
+def _raise_flagged(rows: Sequence[Sequence[int]], column: int, own: Exception | None,
+                   what: str) -> None:
+    """Raise on every rank when a rank flagged a problem in `column` of the gathered `rows`:
+    its own error `own` on such a rank, a `CheckpointError` naming them (`what`, formatted
+    with their list) on the others."""
+    flagged = [rank for rank, row in enumerate(rows) if row[column]]
+    if flagged:
+        if own is not None:
+            raise own
+        raise CheckpointError(f"save: {what.format(flagged)} (their own error says why); "
+                              f"nothing was written")
 
 
 def save(
@@ -111,12 +124,7 @@ def save(
                           int(fingerprint) if fingerprint is not None else 0,
                           int(check_failed is not None)],
                    label="of fzero.save's checks of the states")
-    if any(row[4] for row in rows):
-        if check_failed is not None:
-            raise check_failed
-        raise CheckpointError(
-            f"save: rank(s) {[r for r, row in enumerate(rows) if row[4]]} could not check "
-            f"their parameters (their own error says why); nothing was written")
+    _raise_flagged(rows, 4, check_failed, "rank(s) {} could not check their parameters")
     consumed = [row[0] for row in rows]
     if any(consumed):
         if state.lease.consumed_by is not None:
@@ -141,12 +149,7 @@ def save(
             f"store it as if it were trained state; nothing was written. Rebuild the state "
             f"(the last checkpoint, or fzero.init from fzero.full_params(state, master=True)) "
             f"and drop the write")
-    if any(row[1] for row in rows):
-        if bad_extra is not None:
-            raise bad_extra
-        raise CheckpointError(
-            f"save: extra= of rank(s) {[r for r, row in enumerate(rows) if row[1]]} is not JSON "
-            f"data (their own error says why); nothing was written")
+    _raise_flagged(rows, 1, bad_extra, "extra= of rank(s) {} is not JSON data")
     path = os.path.abspath(os.fspath(path))
     partial = path + PARTIAL_SUFFIX
     described = record.describe(state, optimizer_state=optimizer_state)
