@@ -333,14 +333,14 @@ def make_train_step(
                                      "parameter is frozen): there is nothing to train; use "
                                      "make_eval_step")
                 micro_batches = split_batch(batch, accum_steps, declared=rows is not None)
-                declared = None if rows is None else _declared_rows(rows, micro_batches)
-                count = _rows(micro_batches) if declared is None else sum(declared)
+                counts = None if rows is None else _declared_rows(rows, micro_batches)
+                count = _rows(micro_batches) if counts is None else sum(counts)
                 if count == 0:  # (also where every tensor's dim 0 is 0)
                     raise ValueError("step: the batch has no rows (dim 0 of its tensors is "
                                      "0, of most of them or of those that are not lengths; "
                                      "or rows(batch) said 0): a mean over no rows is "
                                      "undefined")
-                weights = micro_weights(batch, micro_batches, rows=declared)
+                weights = micro_weights(batch, micro_batches, rows=counts)
                 # The step's (global, 1-based) number decides the rate, also for a parameter
                 # whose own update count lags (unused in earlier steps): that count is only
                 # for its moments' bias correction.

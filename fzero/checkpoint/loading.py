@@ -478,12 +478,11 @@ def _model_owned_buffers(
     are the only values there are."""
     if not isinstance(model, nn.Module):
         return {}
-    non_persistent = {f"{prefix}.{name}" if prefix else name
-                      for prefix, module in model.named_modules()
-                      for name in module._non_persistent_buffers_set}
+    non_persistent = set(non_persistent_buffers(model) or ())
     named = dict(model.named_buffers())
     return {name: lambda _, value=named[name]: value.detach().clone()
-            for name in names if name in non_persistent and not named[name].is_meta}
+            for name in names
+            if name in non_persistent and name in named and not named[name].is_meta}
 
 
 def _check_persistence(path: str, saved: Mapping[str, Any], from_model: Mapping[str, Any]
